@@ -1,0 +1,166 @@
+"""Engine configuration: a tree of frozen dataclasses, validated once.
+
+Field names and defaults follow vLLM's engine arguments. Derived values (the number
+of KV blocks, say) are computed by the code that needs them and never written back.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+
+class ConfigError(ValueError):
+    """A bad setting: the message names the key, the value and what to change."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str | None = None          # HF folder or .gguf file; None = embedded default
+    tokenizer: str | None = None      # defaults to the model
+    dtype: str = "auto"               # auto | bfloat16 | float16 | float32
+    max_model_len: int | None = None  # None = the model's own context length
+    load_format: str = "auto"         # auto | safetensors | gguf | dummy
+    seed: int = 0
+    quantization: str | None = None
+    served_model_name: tuple[str, ...] = ()
+    chat_template: str | None = None  # path to a Jinja file overriding the tokenizer's
+
+    def __post_init__(self):
+        _check_choice("dtype", self.dtype, ("auto", "bfloat16", "float16", "float32"))
+        _check_choice("load_format", self.load_format, ("auto", "safetensors", "gguf", "dummy"))
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError(f"max_model_len={self.max_model_len}: must be >= 1")
+        if self.quantization not in (None, "gguf"):
+            raise ConfigError(
+                f"quantization={self.quantization!r} is not supported; GGUF files are "
+                "dequantized on load, leave quantization unset")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    kv_cache_dtype: str = "auto"      # auto | fp8 (fp8_e4m3 accepted)
+    swap_space: float = 4.0           # GiB of host memory for swapped-out KV blocks
+    enable_prefix_caching: bool = False
+    # On CPU there is no device memory to profile: the KV pool gets this many bytes.
+    cpu_kv_cache_bytes: int = 256 << 20
+    num_gpu_blocks_override: int | None = None
+
+    def __post_init__(self):
+        if self.block_size not in (8, 16, 32):
+            raise ConfigError(f"block_size={self.block_size}: use 8, 16 or 32")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(
+                f"gpu_memory_utilization={self.gpu_memory_utilization}: must be in (0, 1]")
+        _check_choice("kv_cache_dtype", self.kv_cache_dtype, ("auto", "fp8", "fp8_e4m3"))
+        if self.swap_space < 0:
+            raise ConfigError(f"swap_space={self.swap_space}: must be >= 0 GiB")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
+            raise ConfigError(
+                f"num_gpu_blocks_override={self.num_gpu_blocks_override}: must be >= 2")
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.kv_cache_dtype.startswith("fp8")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # None = derived from max_model_len
+    enable_chunked_prefill: bool = True
+    preemption_mode: str = "recompute"         # recompute | swap
+
+    def __post_init__(self):
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs={self.max_num_seqs}: must be >= 1")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ConfigError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens}: must be >= 1")
+        _check_choice("preemption_mode", self.preemption_mode, ("recompute", "swap"))
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    # Multi-host (jax.distributed): all three set, or none.
+    coordinator_address: str | None = None
+    num_processes: int = 1
+    process_id: int = 0
+
+    def __post_init__(self):
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(
+                f"tensor_parallel_size={self.tensor_parallel_size}: must be >= 1")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+
+    def __post_init__(self):
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port={self.port}: must be in 0..65535")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    attention_backend: str = "auto"   # auto (pallas on GPU, reference on CPU) | pallas | reference
+    compilation_cache_dir: str | None = None
+    enforce_eager: bool = False       # skip warm-up compilation of every bucket
+
+    def __post_init__(self):
+        _check_choice("attention_backend", self.attention_backend,
+                      ("auto", "pallas", "reference"))
+
+    def replace(self, **sections) -> "EngineConfig":
+        return dataclasses.replace(self, **sections)
+
+
+def _check_choice(key: str, value, choices) -> None:
+    if value not in choices:
+        raise ConfigError(f"{key}={value!r}: choose one of {', '.join(map(str, choices))}")
+
+
+# Flat engine-argument name -> (section, field). This is how `LLM(**kwargs)`, CLI
+# flags and config files address the tree with vLLM's flat names.
+SECTIONS = {
+    "model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
+    "parallel": ParallelConfig, "server": ServerConfig,
+}
+FLAT_KEYS: dict[str, tuple[str | None, str]] = {
+    f.name: (section, f.name)
+    for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)
+}
+FLAT_KEYS.update({
+    f.name: (None, f.name) for f in dataclasses.fields(EngineConfig) if f.name not in SECTIONS
+})
+
+
+def engine_config_from_flat(**kwargs) -> EngineConfig:
+    """Build an EngineConfig from vLLM-style flat keyword arguments."""
+    grouped: dict[str | None, dict] = {}
+    for key, value in kwargs.items():
+        name = key.replace("-", "_")
+        if name not in FLAT_KEYS:
+            import difflib
+            close = difflib.get_close_matches(name, FLAT_KEYS, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(f"unknown engine argument {key!r}{hint}")
+        section, fname = FLAT_KEYS[name]
+        if fname == "served_model_name" and isinstance(value, str):
+            value = (value,)
+        elif fname == "served_model_name" and value is not None:
+            value = tuple(value)
+        grouped.setdefault(section, {})[fname] = value
+    top = grouped.pop(None, {})
+    sections = {s: SECTIONS[s](**vals) for s, vals in grouped.items()}
+    return EngineConfig(**sections, **top)

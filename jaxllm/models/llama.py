@@ -1,0 +1,134 @@
+"""Flax NNX decoder for the Llama family: Llama 2/3/3.1, SmolLM2, Mistral, Qwen2, Qwen3.
+
+Letter legend: T flat tokens, E hidden (embed), Q query heads, K KV heads, D head dim,
+F MLP width, V vocab, S sampled rows.
+
+Parameters carry logical axis names (``out_sharding`` metadata); parallel/mesh.py maps
+them to mesh axes. K and V projections are one [E, 2, K, D] weight and gate/up one
+[E, 2, F] weight: one matmul each, and still shardable by head / by MLP column.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxllm.layers.attention import AttentionMetadata, AttentionSpec, paged_attention
+from jaxllm.layers.rotary import apply_rotary, inv_frequencies
+from jaxllm.models.registry import ArchConfig
+
+nnx.use_eager_sharding(False)
+
+
+def _param(rngs: nnx.Rngs, shape, dtype, axes, scale=0.02):
+    value = (jax.random.normal(rngs.params(), shape, jnp.float32) * scale).astype(dtype)
+    return nnx.Param(value, out_sharding=axes)
+
+
+def _ones(shape, dtype, axes):
+    return nnx.Param(jnp.ones(shape, dtype), out_sharding=axes)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, dtype):
+        self.weight = _ones((dim,), dtype, ("norm",))
+        self.eps = eps
+
+    def __call__(self, x):
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return (xf * self.weight[...].astype(jnp.float32)).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ArchConfig, dtype, rngs: nnx.Rngs):
+        e, q, k, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = _param(rngs, (e, q, d), dtype, ("embed", "q_heads", "head_dim"))
+        self.kv_proj = _param(rngs, (e, 2, k, d), dtype, ("embed", None, "kv_heads", "head_dim"))
+        self.o_proj = _param(rngs, (q, d, e), dtype, ("q_heads", "head_dim", "embed"))
+        if cfg.attention_bias:
+            self.q_bias = _param(rngs, (q, d), dtype, ("q_heads", "head_dim"))
+            self.kv_bias = _param(rngs, (2, k, d), dtype, (None, "kv_heads", "head_dim"))
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
+        self.cfg = cfg
+
+    def __call__(self, x, positions, k_cache, v_cache, md, spec):
+        cfg = self.cfg
+        q = jnp.einsum("te,eqd->tqd", x, self.q_proj[...])
+        kv = jnp.einsum("te,eskd->tskd", x, self.kv_proj[...])
+        if cfg.attention_bias:
+            q = q + self.q_bias[...]
+            kv = kv + self.kv_bias[...]
+        k, v = kv[:, 0], kv[:, 1]
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        inv_freq = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        q = apply_rotary(q, positions, inv_freq)
+        k = apply_rotary(k, positions, inv_freq)
+        out, k_cache, v_cache = paged_attention(q, k, v, k_cache, v_cache, md, spec)
+        return jnp.einsum("tqd,qde->te", out, self.o_proj[...]), k_cache, v_cache
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ArchConfig, dtype, rngs: nnx.Rngs):
+        e, f = cfg.hidden_size, cfg.intermediate_size
+        self.gate_up_proj = _param(rngs, (e, 2, f), dtype, ("embed", None, "mlp"))
+        self.down_proj = _param(rngs, (f, e), dtype, ("mlp", "embed"))
+
+    def __call__(self, x):
+        gu = jnp.einsum("te,esf->tsf", x, self.gate_up_proj[...])
+        h = jax.nn.silu(gu[:, 0]) * gu[:, 1]
+        return jnp.einsum("tf,fe->te", h, self.down_proj[...])
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ArchConfig, dtype, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = Attention(cfg, dtype, rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = MLP(cfg, dtype, rngs)
+
+    def __call__(self, x, positions, k_cache, v_cache, md, spec):
+        with jax.named_scope("attn"):
+            h, k_cache, v_cache = self.self_attn(
+                self.input_layernorm(x), positions, k_cache, v_cache, md, spec)
+        x = x + h
+        with jax.named_scope("mlp"):
+            x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, k_cache, v_cache
+
+
+class LlamaForCausalLM(nnx.Module):
+    def __init__(self, cfg: ArchConfig, dtype=jnp.float32, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed_tokens = _param(rngs, (cfg.vocab_size, cfg.hidden_size), dtype,
+                                   ("vocab", "embed"))
+        self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), dtype,
+                                  ("embed", "vocab"))
+
+    def __call__(self, input_ids, positions, kv_caches, md: AttentionMetadata,
+                 spec: AttentionSpec):
+        """input_ids, positions: i32[T]; kv_caches: list of (k, v) [K, NB, BS, D] per
+        layer. Returns (hidden [T, E], new kv_caches)."""
+        x = jnp.take(self.embed_tokens[...], input_ids, axis=0)
+        new_caches = []
+        # Layers unrolled in Python: each has its own weight arrays, so XLA never
+        # slices a stacked weight per step (measured faster than lax.scan on GPU).
+        for i, layer in enumerate(self.layers):
+            with jax.named_scope(f"layer{i}"):
+                x, k_cache, v_cache = layer(x, positions, *kv_caches[i], md, spec)
+            new_caches.append((k_cache, v_cache))
+        return self.norm(x), new_caches
+
+    def compute_logits(self, hidden):
+        """hidden: [S, E] -> float32 logits [S, V]."""
+        if self.cfg.tie_word_embeddings:
+            logits = jnp.einsum("se,ve->sv", hidden, self.embed_tokens[...])
+        else:
+            logits = jnp.einsum("se,ev->sv", hidden, self.lm_head[...])
+        return logits.astype(jnp.float32)

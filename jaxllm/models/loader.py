@@ -1,0 +1,273 @@
+"""Checkpoint loading: HF folders (config.json + safetensors) and GGUF files, or random
+(`dummy`) weights built on the device. Arrays go straight into their target sharding.
+
+Letter legend as in models/llama.py: E hidden, Q/K heads, D head dim, F MLP width, V vocab.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxllm.models.registry import ArchConfig, arch_from_hf_config, get_model_class
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded; the message names the file and tensor."""
+
+
+@dataclass
+class LoadedModel:
+    arch: ArchConfig
+    graphdef: nnx.GraphDef
+    state: nnx.State
+    source: str
+
+
+# Target parameter (path under the model, {i} = layer) <- HF tensor names and how
+# they combine. Each function gets the HF tensors in the listed order (numpy, f32).
+def _heads(n_attr):
+    return lambda a, w: w.reshape(getattr(a, n_attr), a.head_dim, a.hidden_size).transpose(2, 0, 1)
+
+
+def _kv(a, k, v):
+    return np.stack([x.reshape(a.num_kv_heads, a.head_dim, a.hidden_size) for x in (k, v)]
+                    ).transpose(3, 0, 1, 2)
+
+
+WEIGHT_MAP: dict[str, tuple[tuple[str, ...], Callable]] = {
+    "embed_tokens": (("model.embed_tokens.weight",), lambda a, w: w),
+    "norm.weight": (("model.norm.weight",), lambda a, w: w),
+    "lm_head": (("lm_head.weight",), lambda a, w: w.T),
+    "layers.{i}.input_layernorm.weight":
+        (("model.layers.{i}.input_layernorm.weight",), lambda a, w: w),
+    "layers.{i}.post_attention_layernorm.weight":
+        (("model.layers.{i}.post_attention_layernorm.weight",), lambda a, w: w),
+    "layers.{i}.self_attn.q_proj": (("model.layers.{i}.self_attn.q_proj.weight",), _heads("num_heads")),
+    "layers.{i}.self_attn.kv_proj": (("model.layers.{i}.self_attn.k_proj.weight",
+                                      "model.layers.{i}.self_attn.v_proj.weight"), _kv),
+    "layers.{i}.self_attn.o_proj": (
+        ("model.layers.{i}.self_attn.o_proj.weight",),
+        lambda a, w: w.T.reshape(a.num_heads, a.head_dim, a.hidden_size)),
+    "layers.{i}.self_attn.q_bias": (
+        ("model.layers.{i}.self_attn.q_proj.bias",),
+        lambda a, b: b.reshape(a.num_heads, a.head_dim)),
+    "layers.{i}.self_attn.kv_bias": (
+        ("model.layers.{i}.self_attn.k_proj.bias", "model.layers.{i}.self_attn.v_proj.bias"),
+        lambda a, k, v: np.stack([k, v]).reshape(2, a.num_kv_heads, a.head_dim)),
+    "layers.{i}.self_attn.q_norm.weight": (("model.layers.{i}.self_attn.q_norm.weight",), lambda a, w: w),
+    "layers.{i}.self_attn.k_norm.weight": (("model.layers.{i}.self_attn.k_norm.weight",), lambda a, w: w),
+    "layers.{i}.mlp.gate_up_proj": (("model.layers.{i}.mlp.gate_proj.weight",
+                                     "model.layers.{i}.mlp.up_proj.weight"),
+                                    lambda a, g, u: np.stack([g.T, u.T], axis=1)),
+    "layers.{i}.mlp.down_proj": (("model.layers.{i}.mlp.down_proj.weight",), lambda a, w: w.T),
+}
+
+
+def resolve_dtype(name: str, hf_dtype: str | None = None):
+    if name == "auto":
+        name = {"float32": "float32", "float16": "float16"}.get(hf_dtype or "", "bfloat16")
+    return {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}[name]
+
+
+def abstract_model(arch: ArchConfig, dtype):
+    """(graphdef, abstract state) without allocating anything."""
+    cls = get_model_class(arch)
+    model = nnx.eval_shape(lambda: cls(arch, dtype, rngs=nnx.Rngs(0)))
+    return nnx.split(model)
+
+
+def param_path(path) -> str:
+    return ".".join(str(p) for p in path)
+
+
+def _template(name: str) -> tuple[str, int | None]:
+    parts = name.split(".")
+    if len(parts) > 1 and parts[0] == "layers":
+        return ".".join(["layers", "{i}", *parts[2:]]), int(parts[1])
+    return name, None
+
+
+def load_state(arch: ArchConfig, dtype, get_tensor: Callable[[str], np.ndarray],
+               shardings: Callable, source: str):
+    """Fill every parameter of the model from `get_tensor(hf_name)`.
+
+    `shardings(path, logical_axes)` gives each parameter's jax.sharding.Sharding.
+    """
+    graphdef, abstract = abstract_model(arch, dtype)
+    leaves = []
+    for path, var in nnx.to_flat_state(abstract):
+        name = param_path(path)
+        tmpl, layer = _template(name)
+        if tmpl not in WEIGHT_MAP:
+            raise CheckpointError(f"{source}: no weight mapping for parameter {name}")
+        hf_names, combine = WEIGHT_MAP[tmpl]
+        hf_names = [n.format(i=layer) for n in hf_names]
+        array = combine(arch, *[get_tensor(n) for n in hf_names])
+        want = var.value.shape
+        if tuple(array.shape) != tuple(want):
+            raise CheckpointError(
+                f"{source}: tensor {hf_names[0]} has shape {_hf_shape(get_tensor, hf_names)}, "
+                f"which does not fit parameter {name} {tuple(want)} of this config")
+        sharding = shardings(path, var.get_metadata().get("out_sharding"))
+        value = jax.device_put(np.asarray(array, dtype=np.dtype(dtype)), sharding)
+        leaves.append((path, var.replace(value=value)))
+    return graphdef, nnx.from_flat_state(leaves)
+
+
+def _hf_shape(get_tensor, names):
+    return tuple(get_tensor(names[0]).shape)
+
+
+def dummy_state(arch: ArchConfig, dtype, shardings: Callable, seed: int = 0):
+    """Random weights of the model's shape, built on the device(s) already sharded."""
+    graphdef, abstract = abstract_model(arch, dtype)
+    out_shardings = jax.tree.map(
+        lambda var: shardings(None, var.get_metadata().get("out_sharding")),
+        abstract, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    cls = get_model_class(arch)
+
+    @jax.jit
+    def build():
+        return nnx.split(cls(arch, dtype, rngs=nnx.Rngs(seed)))[1]
+
+    state = jax.jit(build, out_shardings=out_shardings)()
+    return graphdef, state
+
+
+# ---------------------------------------------------------------- HF folder
+
+def read_hf_config(folder: str) -> dict:
+    path = os.path.join(folder, "config.json")
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{folder}: no config.json (is this an HF model folder?)")
+    with open(path) as f:
+        return json.load(f)
+
+
+_ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": "bfloat16", "F64": np.float64,
+              "I64": np.int64, "I32": np.int32, "I8": np.int8, "U8": np.uint8}
+
+
+def _open_safetensors(path: str) -> dict[str, np.ndarray]:
+    """name -> memory-mapped array. The format is a little-endian u64 header length, a
+    JSON header and raw data; parsing it here keeps bf16 readable without torch."""
+    import ml_dtypes
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    raw = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n)
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dt = _ST_DTYPES.get(info["dtype"])
+        if dt is None:
+            raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
+        dt = np.dtype(ml_dtypes.bfloat16) if dt == "bfloat16" else np.dtype(dt)
+        lo, hi = info["data_offsets"]
+        out[name] = raw[lo:hi].view(dt).reshape(info["shape"])
+    return out
+
+
+class SafetensorsReader:
+    """Lazy tensor access over single or sharded (index.json) safetensors files."""
+
+    def __init__(self, folder: str):
+        index = os.path.join(folder, "model.safetensors.index.json")
+        if os.path.isfile(index):
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
+            if not files:
+                raise CheckpointError(f"{folder}: no *.safetensors files")
+            weight_map = None
+        self.folder = folder
+        self.tensors: dict[str, np.ndarray] = {}
+        for fname in files:
+            path = os.path.join(folder, fname)
+            if not os.path.isfile(path):
+                raise CheckpointError(f"{folder}: {fname} is listed in the index but missing")
+            self.tensors.update(_open_safetensors(path))
+        if weight_map is not None:
+            missing = sorted(set(weight_map) - set(self.tensors))
+            if missing:
+                raise CheckpointError(f"{folder}: index lists {missing[0]} but no file has it")
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def get(self, name: str) -> np.ndarray:
+        if name not in self.tensors:
+            raise CheckpointError(f"{self.folder}: missing tensor {name}")
+        return np.asarray(self.tensors[name], dtype=np.float32)
+
+
+def load_hf_folder(folder: str, dtype_name: str, shardings: Callable) -> LoadedModel:
+    hf = read_hf_config(folder)
+    arch = arch_from_hf_config(hf, os.path.join(folder, "config.json"))
+    dtype = resolve_dtype(dtype_name, hf.get("torch_dtype") or hf.get("dtype"))
+    reader = SafetensorsReader(folder)
+    if arch.tie_word_embeddings is False and not reader.has("lm_head.weight"):
+        raise CheckpointError(f"{folder}: missing tensor lm_head.weight "
+                              "(config says tie_word_embeddings=false)")
+    graphdef, state = load_state(arch, dtype, reader.get, shardings, folder)
+    return LoadedModel(arch, graphdef, state, folder)
+
+
+# ---------------------------------------------------------------- entry point
+
+def load_model(path: str | None, dtype_name: str = "auto", load_format: str = "auto",
+               shardings: Callable | None = None, seed: int = 0) -> LoadedModel:
+    """Load an HF folder or GGUF file (None = the embedded default) into sharded params.
+
+    `shardings(path, logical_axes)` -> jax Sharding; default: the first device.
+    """
+    from jaxllm.models.gguf_loader import GGUFFile, default_model_path
+    if shardings is None:
+        dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        shardings = lambda p, axes: dev  # noqa: E731
+    path = path or default_model_path()
+    is_gguf = path.endswith(".gguf") or load_format == "gguf"
+    if load_format == "safetensors" and is_gguf:
+        raise CheckpointError(f"{path}: load_format=safetensors but this is a GGUF file")
+    if not os.path.exists(path):
+        raise CheckpointError(f"{path}: no such file or folder (give an HF model folder "
+                              "with config.json, or a .gguf file)")
+    if is_gguf:
+        gg = GGUFFile(path)
+        hf = gg.hf_config()
+        arch = arch_from_hf_config(hf, path)
+        # GGUF weights are quantized: dequantize to float32 unless a dtype is asked.
+        dtype = resolve_dtype(dtype_name, "float32")
+        if load_format == "dummy":
+            return LoadedModel(arch, *dummy_state(arch, dtype, shardings, seed), path)
+        graphdef, state = load_state(arch, dtype, gg.get, shardings, path)
+        return LoadedModel(arch, graphdef, state, path)
+    if load_format == "dummy":
+        hf = read_hf_config(path)
+        arch = arch_from_hf_config(hf, os.path.join(path, "config.json"))
+        dtype = resolve_dtype(dtype_name, hf.get("torch_dtype") or hf.get("dtype"))
+        return LoadedModel(arch, *dummy_state(arch, dtype, shardings, seed), path)
+    return load_hf_folder(path, dtype_name, shardings)
+
+
+def get_tokenizer(path: str | None, tokenizer: str | None = None):
+    """The tokenizer of an HF folder or GGUF file (None = the embedded default)."""
+    from jaxllm.models.gguf_loader import GGUFFile, default_model_path
+    path = tokenizer or path or default_model_path()
+    if path.endswith(".gguf"):
+        return GGUFFile(path).tokenizer()
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: cannot load a tokenizer ({e})") from None
