@@ -98,7 +98,7 @@ def load_state(arch: ArchConfig, dtype, get_tensor: Callable[[str], np.ndarray],
                shardings: Callable, source: str):
     """Fill every parameter of the model from `get_tensor(hf_name)`.
 
-    `shardings(path, logical_axes)` gives each parameter's jax.sharding.Sharding.
+    `shardings(path, logical_axes, shape)` gives each parameter's jax.sharding.Sharding.
     """
     graphdef, abstract = abstract_model(arch, dtype)
     leaves = []
@@ -115,7 +115,7 @@ def load_state(arch: ArchConfig, dtype, get_tensor: Callable[[str], np.ndarray],
             raise CheckpointError(
                 f"{source}: tensor {hf_names[0]} has shape {_hf_shape(get_tensor, hf_names)}, "
                 f"which does not fit parameter {name} {tuple(want)} of this config")
-        sharding = shardings(path, var.get_metadata().get("out_sharding"))
+        sharding = shardings(path, var.get_metadata().get("out_sharding"), want)
         value = jax.device_put(np.asarray(array, dtype=np.dtype(dtype)), sharding)
         leaves.append((path, var.replace(value=value)))
     return graphdef, nnx.from_flat_state(leaves)
@@ -129,7 +129,7 @@ def dummy_state(arch: ArchConfig, dtype, shardings: Callable, seed: int = 0):
     """Random weights of the model's shape, built on the device(s) already sharded."""
     graphdef, abstract = abstract_model(arch, dtype)
     out_shardings = jax.tree.map(
-        lambda var: shardings(None, var.get_metadata().get("out_sharding")),
+        lambda var: shardings(None, var.get_metadata().get("out_sharding"), var.value.shape),
         abstract, is_leaf=lambda x: isinstance(x, nnx.Variable))
     cls = get_model_class(arch)
 
@@ -229,12 +229,12 @@ def load_model(path: str | None, dtype_name: str = "auto", load_format: str = "a
                shardings: Callable | None = None, seed: int = 0) -> LoadedModel:
     """Load an HF folder or GGUF file (None = the embedded default) into sharded params.
 
-    `shardings(path, logical_axes)` -> jax Sharding; default: the first device.
+    `shardings(path, logical_axes, shape)` -> jax Sharding; default: the first device.
     """
     from jaxllm.models.gguf_loader import GGUFFile, default_model_path
     if shardings is None:
         dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        shardings = lambda p, axes: dev  # noqa: E731
+        shardings = lambda p, axes, shape=None: dev  # noqa: E731
     path = path or default_model_path()
     is_gguf = path.endswith(".gguf") or load_format == "gguf"
     if load_format == "safetensors" and is_gguf:

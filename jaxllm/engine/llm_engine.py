@@ -1,0 +1,313 @@
+"""LLMEngine: step() = schedule -> runner.execute -> update -> detokenize -> outputs."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import random
+import time
+from dataclasses import dataclass
+from typing import Iterable
+
+from jaxllm.config import ConfigError, EngineConfig
+from jaxllm.engine.detokenizer import IncrementalDetokenizer
+from jaxllm.engine.request import Request, RequestStatus
+from jaxllm.engine.scheduler import Scheduler
+from jaxllm.outputs import CompletionOutput, RequestOutput, make_logprobs_entry
+from jaxllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_preemptions_total: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_free_blocks: int
+    num_total_blocks: int
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
+class _Sample:
+    """One of the n samples of a request: its Request and its text state."""
+    request: Request
+    detok: IncrementalDetokenizer
+    seed: int
+    cumulative_logprob: float = 0.0
+    logprobs: list | None = None
+
+
+@dataclass
+class _Group:
+    """A user request: its prompt and its n samples."""
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    samples: list[_Sample]
+    metrics: RequestMetrics
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        import jax
+        from jaxllm.models.loader import get_tokenizer, load_model
+        from jaxllm.parallel import mesh as mesh_lib
+        from jaxllm.runner.model_runner import ModelRunner
+
+        self.config = config
+        mc = config.model
+        t0 = time.perf_counter()
+        self.mesh = mesh_lib.make_mesh(config.parallel.tensor_parallel_size)
+        loaded = load_model(mc.model, mc.dtype, mc.load_format,
+                            mesh_lib.param_shardings(self.mesh), mc.seed)
+        self.arch = loaded.arch
+        self.model_path = loaded.source
+        self.tokenizer = get_tokenizer(loaded.source, mc.tokenizer)
+        if mc.chat_template:
+            with open(mc.chat_template) as f:
+                self.tokenizer.chat_template = f.read()
+        self.max_model_len = _max_model_len(mc.max_model_len, self.arch.max_position_embeddings)
+        self.max_num_batched_tokens = _max_batched(config, self.max_model_len)
+        self.runner = ModelRunner(config, loaded, self.mesh, self.max_model_len,
+                                  self.max_num_batched_tokens)
+        self.runner.initialize_kv_cache()
+        num_cpu_blocks = _num_cpu_blocks(config, self.runner)
+        self.host_pool = self.runner.host_pool(num_cpu_blocks)
+        sc = config.scheduler
+        self.scheduler = Scheduler(
+            block_size=config.cache.block_size, num_gpu_blocks=self.runner.num_blocks,
+            num_cpu_blocks=num_cpu_blocks, max_num_seqs=sc.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len, enable_chunked_prefill=sc.enable_chunked_prefill,
+            enable_prefix_caching=config.cache.enable_prefix_caching,
+            preemption_mode=sc.preemption_mode)
+        if not config.enforce_eager:
+            self.runner.warm_up()
+        self.startup_seconds = time.perf_counter() - t0
+        self.eos_token_id = self.arch.eos_token_id[0] if self.arch.eos_token_id else \
+            self.tokenizer.eos_token_id
+        self.groups: dict[str, _Group] = {}
+        self.samples: dict[str, _Sample] = {}
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self._rng = random.Random(mc.seed)
+        logger.info("engine ready in %.1f s (%s, %d KV blocks, %s)", self.startup_seconds,
+                    self.model_path, self.runner.num_blocks, jax.devices()[0].platform)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "LLMEngine":
+        return cls(config)
+
+    @property
+    def model_name(self) -> str:
+        names = self.config.model.served_model_name
+        if names:
+            return names[0]
+        base = os.path.basename(self.model_path.rstrip("/"))
+        return base.split(".")[0] if base.endswith(".gguf") else base
+
+    # ------------------------------------------------------------ requests
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
+        params = params or SamplingParams()
+        if request_id in self.groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, token_ids = self._tokenize(prompt)
+        self._validate_length(len(token_ids), params)
+        now = time.time() if arrival_time is None else arrival_time
+        group = _Group(request_id, text, token_ids, params, [], RequestMetrics(now))
+        for i in range(params.n):
+            sid = request_id if params.n == 1 else f"{i}_{request_id}"
+            req = Request(sid, token_ids, params, eos_token_id=self.eos_token_id,
+                          arrival_time=now, parent_id=request_id if params.n > 1 else None)
+            seed = params.seed + i if params.seed is not None else self._rng.getrandbits(63)
+            sample = _Sample(req, IncrementalDetokenizer(self.tokenizer, token_ids, params),
+                             seed, logprobs=[] if params.logprobs is not None else None)
+            group.samples.append(sample)
+        self.groups[request_id] = group
+        for s in group.samples:
+            self.scheduler.add_request(s.request)
+            self.samples[s.request.request_id] = s
+        self.prompt_tokens_total += len(token_ids)
+
+    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            ids = list(prompt)
+            bad = [t for t in ids if not 0 <= t < self.arch.vocab_size]
+            if bad:
+                raise ValueError(f"token id {bad[0]} is out of vocabulary "
+                                 f"(0..{self.arch.vocab_size - 1})")
+            return None, ids
+        raise ValueError("a prompt is a string, a list of token ids, or "
+                         "{'prompt_token_ids': [...]}")
+
+    def _validate_length(self, num_prompt: int, params: SamplingParams) -> None:
+        if num_prompt == 0:
+            raise ValueError("the prompt is empty")
+        max_tokens = params.max_tokens or 0
+        if num_prompt + max_tokens > self.max_model_len or num_prompt >= self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. "
+                f"However, you requested {num_prompt + max_tokens} tokens ({num_prompt} in the "
+                f"messages, {max_tokens} in the completion). Please reduce the length of the "
+                f"messages or completion.")
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for rid in request_ids:
+            group = self.groups.pop(rid, None)
+            if group is None:
+                continue
+            ids = [s.request.request_id for s in group.samples]
+            self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+            for sid in ids:
+                self.samples.pop(sid, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.groups)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.groups)
+
+    # ------------------------------------------------------------ the step
+    def step(self) -> list[RequestOutput]:
+        so = self.scheduler.schedule()
+        if not so.scheduled:
+            return []
+        now = time.time()
+        self.runner.swap_out(so.blocks_to_swap_out, self.host_pool)
+        self.runner.swap_in(so.blocks_to_swap_in, self.host_pool)
+        requests = {r.request_id: self.samples[r.request_id].request for r in so.scheduled}
+        seeds = {rid: self.samples[rid].seed for rid in requests}
+        for rid in requests:
+            m = self.groups[self._group_id(rid)].metrics
+            m.first_scheduled_time = m.first_scheduled_time or now
+        results = self.runner.execute(so, requests, seeds)
+        updated = self.scheduler.update_from_output(
+            so, {rid: r.token_id for rid, r in results.items()})
+        touched: dict[str, _Group] = {}
+        now = time.time()
+        for req in updated:
+            sample = self.samples[req.request_id]
+            self._record_token(sample, results[req.request_id])
+            group = self.groups[self._group_id(req.request_id)]
+            group.metrics.first_token_time = group.metrics.first_token_time or now
+            group.metrics.last_token_time = now
+            touched[group.request_id] = group
+        self.generation_tokens_total += len(updated)
+        return [self._make_output(g) for g in touched.values()]
+
+    def _group_id(self, sample_id: str) -> str:
+        req = self.samples[sample_id].request
+        return req.parent_id or req.request_id
+
+    def _record_token(self, sample: _Sample, res) -> None:
+        req = sample.request
+        params = req.sampling_params
+        sample.cumulative_logprob += res.logprob
+        if sample.logprobs is not None:
+            sample.logprobs.append(make_logprobs_entry(
+                res.token_id, res.logprob, res.rank, res.top_ids or [], res.top_logprobs or [],
+                params.logprobs, self._decode_one))
+        stop = sample.detok.update([res.token_id])
+        if stop is not None and not req.is_finished():
+            req.stop_reason = stop
+            self.scheduler.finish_requests(req.request_id, RequestStatus.FINISHED_STOPPED)
+
+    def _decode_one(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def _make_output(self, group: _Group) -> RequestOutput:
+        outs = []
+        for i, s in enumerate(group.samples):
+            req = s.request
+            finished = req.is_finished()
+            outs.append(CompletionOutput(
+                index=i, text=s.detok.get_next_output_text(finished, delta=False),
+                token_ids=list(req.output_token_ids),
+                cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,
+                logprobs=s.logprobs, finish_reason=req.get_finished_reason(),
+                stop_reason=req.stop_reason))
+        finished = all(s.request.is_finished() for s in group.samples)
+        if finished:
+            group.metrics.finished_time = time.time()
+            self.groups.pop(group.request_id, None)
+            for s in group.samples:
+                self.samples.pop(s.request.request_id, None)
+        cached = max((s.request.num_cached_tokens for s in group.samples), default=0)
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, None, outs,
+                             finished, num_cached_tokens=max(cached, 0),
+                             metrics=dataclasses.replace(group.metrics))
+
+    # ------------------------------------------------------------ stats
+    def get_stats(self) -> EngineStats:
+        pool = self.scheduler.block_pool
+        total = self.runner.num_blocks - 1     # the null block is never handed out
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting + self.scheduler.num_swapped,
+            kv_cache_usage=pool.get_usage(),
+            num_preemptions_total=self.scheduler.num_preemptions_total,
+            prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.generation_tokens_total,
+            prefix_cache_queries=pool.prefix_cache_queries,
+            prefix_cache_hits=pool.prefix_cache_hits,
+            num_free_blocks=pool.get_num_free_blocks(),
+            num_total_blocks=total)
+
+
+def _max_model_len(asked: int | None, model_max: int) -> int:
+    if asked is None:
+        return model_max
+    if asked > model_max:
+        raise ConfigError(f"max_model_len={asked} is above the model's context length "
+                          f"{model_max}; lower --max-model-len")
+    return asked
+
+
+def _max_batched(config: EngineConfig, max_model_len: int) -> int:
+    sc = config.scheduler
+    if sc.max_num_batched_tokens is not None:
+        n = sc.max_num_batched_tokens
+        if not sc.enable_chunked_prefill and n < max_model_len:
+            raise ConfigError(
+                f"max_num_batched_tokens={n} is below max_model_len={max_model_len} with "
+                "chunked prefill off: a long prompt could never be scheduled; raise "
+                "--max-num-batched-tokens or pass --enable-chunked-prefill")
+        return n
+    return 2048 if sc.enable_chunked_prefill else max(max_model_len, 2048)
+
+
+def _num_cpu_blocks(config: EngineConfig, runner) -> int:
+    if config.scheduler.preemption_mode != "swap" or config.cache.swap_space == 0:
+        return 0
+    from jaxllm.runner.kv_cache import bytes_per_block, cache_dtype
+    per_block = bytes_per_block(runner.arch, config.cache.block_size,
+                                cache_dtype(config.cache, runner.model_dtype))
+    return int(config.cache.swap_space * (1 << 30)) // per_block

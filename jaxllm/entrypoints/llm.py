@@ -1,0 +1,86 @@
+"""LLM: the Python batch API, with vLLM's shapes.
+
+    from jaxllm import LLM, SamplingParams
+    llm = LLM()                                   # the embedded SmolLM2-135M-Instruct
+    outs = llm.generate(["Hello"], SamplingParams(max_tokens=32))
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Sequence
+
+from jaxllm.config import engine_config_from_flat
+from jaxllm.outputs import RequestOutput
+from jaxllm.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str | None = None, *, dtype: str = "auto", **engine_args):
+        from jaxllm.engine.llm_engine import LLMEngine
+        config = engine_config_from_flat(model=model, dtype=dtype, **engine_args)
+        self.llm_engine = LLMEngine.from_config(config)
+        self._counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """prompts: a string, a list of strings, or vLLM's {"prompt_token_ids": [...]}
+        dicts (or a list of those). Results come back in input order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        elif prompts and isinstance(prompts, list) and isinstance(prompts[0], int):
+            prompts = [{"prompt_token_ids": prompts}]
+        params = sampling_params or SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                rid = str(next(self._counter))
+                self.llm_engine.add_request(rid, prompt, p)
+                ids.append(rid)
+        except Exception:
+            self.llm_engine.abort_request(ids)   # nothing half-added stays behind
+            raise
+        return self._run_engine(ids, use_tqdm)
+
+    def chat(self, messages, sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template: str | None = None) -> list[RequestOutput]:
+        """messages: one conversation (a list of {"role", "content"}) or a list of them."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tok = self.llm_engine.tokenizer
+        prompts = [{"prompt_token_ids": list(tok.apply_chat_template(
+            conv, tokenize=True, add_generation_prompt=add_generation_prompt,
+            chat_template=chat_template, return_dict=False))} for conv in convs]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run_engine(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        pending = set(ids)
+        done: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+            bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+        try:
+            while pending:
+                if not engine.has_unfinished_requests():
+                    raise RuntimeError(f"engine stopped with {len(pending)} requests unfinished")
+                for out in engine.step():
+                    if out.finished and out.request_id in pending:
+                        pending.discard(out.request_id)
+                        done[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            engine.abort_request(list(pending))
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [done[i] for i in ids]

@@ -1,0 +1,255 @@
+"""SchedulerOutput -> padded, bucketed arrays -> jitted step -> sampled tokens.
+
+Letter legend: T padded tokens, S padded sequences, B blocks per block-table row,
+V vocab, L layers.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxllm.config import EngineConfig
+from jaxllm.layers.attention import AttentionMetadata, AttentionSpec
+from jaxllm.models.loader import LoadedModel
+from jaxllm.parallel import mesh as mesh_lib
+from jaxllm.runner import kv_cache
+from jaxllm.runner.buckets import BucketPlan
+from jaxllm.runner.sampler import SamplerFlags, SamplingMetadata, sample
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SampleResult:
+    token_id: int
+    logprob: float
+    rank: int
+    top_ids: list[int] | None = None      # best first, MAX_LOGPROBS long
+    top_logprobs: list[float] | None = None
+
+
+def _forward(graphdef, state, kv_caches, input_ids, positions, md, logits_indices, spec):
+    model = nnx.merge(graphdef, state)
+    hidden, kv_caches = model(input_ids, positions, kv_caches, md, spec)
+    logits = model.compute_logits(hidden[logits_indices])
+    return logits, kv_caches
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel, mesh, max_model_len: int,
+                 max_num_batched_tokens: int):
+        self.config = config
+        self.arch = loaded.arch
+        self.graphdef, self.state = loaded.graphdef, loaded.state
+        self.mesh = mesh
+        self.block_size = config.cache.block_size
+        self.max_model_len = max_model_len
+        self.max_blocks_per_seq = -(-max_model_len // self.block_size)
+        self.plan = BucketPlan.build(max_num_batched_tokens, config.scheduler.max_num_seqs)
+        self.spec = AttentionSpec(
+            sm_scale=self.arch.head_dim ** -0.5, backend=self._backend(),
+            sliding_window=self.arch.sliding_window)
+        self.model_dtype = jax.tree.leaves(self.state)[0].dtype
+        self.kv_caches = None
+        self.num_blocks = 0
+        self._replicated = mesh_lib.replicated(mesh)
+        self._step = jax.jit(_forward, static_argnums=(0, 7), donate_argnums=(2,))
+        self._sample = jax.jit(sample, static_argnums=(2,))
+
+    def _backend(self) -> str:
+        backend = self.config.attention_backend
+        if backend == "auto":
+            backend = "pallas" if jax.devices()[0].platform == "gpu" else "reference"
+        return backend
+
+    # ------------------------------------------------------------ KV pool
+    def initialize_kv_cache(self) -> kv_cache.MemoryReport:
+        cache_cfg = self.config.cache
+        weights = sum(x.nbytes for x in jax.tree.leaves(self.state))
+        dev = self.mesh.devices.flat[0]
+        stats = dev.memory_stats() if dev.platform == "gpu" else None
+        peak = limit = None
+        if stats and cache_cfg.num_gpu_blocks_override is None:
+            peak, limit = self._profile_peak(), stats.get("bytes_limit")
+        report = kv_cache.plan_num_blocks(
+            self.arch, cache_cfg, self.model_dtype, self.max_model_len, weights, peak, limit,
+            num_devices=self.mesh.size)
+        dtype = kv_cache.cache_dtype(cache_cfg, self.model_dtype)
+        sharding = mesh_lib.kv_cache_sharding(self.mesh, self.arch.num_kv_heads)
+        self.kv_caches = kv_cache.allocate(self.arch, report.num_blocks, self.block_size,
+                                           dtype, sharding)
+        self.num_blocks = report.num_blocks
+        logger.info("KV cache: %s", report.describe(self.block_size))
+        return report
+
+    def _profile_peak(self) -> int:
+        """Peak device bytes of the largest step, with a minimal pool."""
+        dtype = kv_cache.cache_dtype(self.config.cache, self.model_dtype)
+        sharding = mesh_lib.kv_cache_sharding(self.mesh, self.arch.num_kv_heads)
+        self.kv_caches = kv_cache.allocate(self.arch, 2, self.block_size, dtype, sharding)
+        t, s = self.plan.token_buckets[-1], self.plan.max_seqs
+        self._run_dummy(t, s, decode_only=False)
+        dev = self.mesh.devices.flat[0]
+        peak = dev.memory_stats().get("peak_bytes_in_use", 0)
+        self.kv_caches = None
+        return peak
+
+    # ------------------------------------------------------------ inputs
+    def prepare_inputs(self, scheduled) -> tuple[dict, bool, int]:
+        """Fill host numpy buffers for one step. Returns (arrays, decode_only, rows)."""
+        num_tokens = sum(len(r.token_ids) for r in scheduled)
+        decode_only = all(len(r.token_ids) == 1 for r in scheduled)
+        t, s = self.plan.shape_for(num_tokens, len(scheduled), decode_only)
+        bs = self.block_size
+        input_ids = np.zeros(t, np.int32)
+        positions = np.zeros(t, np.int32)
+        slot_mapping = np.full(t, -1, np.int32)
+        block_tables = np.zeros((s, self.max_blocks_per_seq), np.int32)
+        seq_lens = np.zeros(s, np.int32)
+        query_start_loc = np.zeros(s + 1, np.int32)
+        logits_indices = np.zeros(s, np.int32)
+        off = 0
+        for i, r in enumerate(scheduled):
+            n, start = len(r.token_ids), r.num_computed_tokens
+            pos = np.arange(start, start + n, dtype=np.int32)
+            table = np.asarray(r.block_table, np.int32)
+            input_ids[off:off + n] = r.token_ids
+            positions[off:off + n] = pos
+            slot_mapping[off:off + n] = table[pos // bs] * bs + pos % bs
+            block_tables[i, :len(table)] = table
+            seq_lens[i] = start + n
+            off += n
+            query_start_loc[i + 1] = off
+            logits_indices[i] = off - 1
+        query_start_loc[len(scheduled) + 1:] = off
+        arrays = dict(input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
+                      block_tables=block_tables, seq_lens=seq_lens,
+                      query_start_loc=query_start_loc, logits_indices=logits_indices)
+        return arrays, decode_only, s
+
+    # ------------------------------------------------------------ execution
+    def _launch(self, arrays: dict, decode_only: bool):
+        arrays = jax.device_put(arrays, self._replicated)   # one transfer
+        md = AttentionMetadata(
+            slot_mapping=arrays["slot_mapping"], block_tables=arrays["block_tables"],
+            seq_lens=arrays["seq_lens"], query_start_loc=arrays["query_start_loc"],
+            decode_only=decode_only)
+        logits, self.kv_caches = self._step(
+            self.graphdef, self.state, self.kv_caches, arrays["input_ids"],
+            arrays["positions"], md, arrays["logits_indices"], self.spec)
+        return logits
+
+    def execute(self, scheduler_output, requests: dict, fallback_seeds: dict) -> dict:
+        """Run one step. `requests` maps id -> Request; returns id -> SampleResult for
+        the requests whose chunk reached the end of their known tokens."""
+        scheduled = scheduler_output.scheduled
+        if not scheduled:
+            return {}
+        arrays, decode_only, rows = self.prepare_inputs(scheduled)
+        logits = self._launch(arrays, decode_only)
+        reqs = [requests[r.request_id] for r in scheduled]
+        md, flags = SamplingMetadata.from_params(
+            [q.sampling_params for q in reqs], [r.output_index for r in scheduled],
+            [q.prompt_token_ids for q in reqs], [q.output_token_ids for q in reqs],
+            rows, self.arch.vocab_size,
+            fallback_seeds=[fallback_seeds[q.request_id] for q in reqs],
+            eos_token_ids=self._eos_ids())
+        out = jax.device_get(self._sample(logits, md, flags))
+        results = {}
+        for i, r in enumerate(scheduled):
+            if not r.do_sample:
+                continue
+            res = SampleResult(int(out.token_ids[i]), float(out.logprobs[i]),
+                               int(out.sampled_rank[i]))
+            if flags.num_logprobs:
+                res.top_ids = out.top_logprob_ids[i].tolist()
+                res.top_logprobs = out.top_logprobs[i].tolist()
+            results[r.request_id] = res
+        return results
+
+    def _eos_ids(self) -> tuple[int, ...]:
+        return self.arch.eos_token_id
+
+    # ------------------------------------------------------------ warm-up
+    def _run_dummy(self, t: int, s: int, decode_only: bool):
+        arrays = dict(
+            input_ids=np.zeros(t, np.int32), positions=np.zeros(t, np.int32),
+            slot_mapping=np.full(t, -1, np.int32),
+            block_tables=np.zeros((s, self.max_blocks_per_seq), np.int32),
+            seq_lens=np.zeros(s, np.int32), query_start_loc=np.zeros(s + 1, np.int32),
+            logits_indices=np.zeros(s, np.int32))
+        return self._launch(arrays, decode_only)
+
+    def warm_up(self) -> float:
+        """Compile every bucket shape (model step and each sampler variant)."""
+        t0 = time.perf_counter()
+        for t, s, decode_only in self.plan.all_shapes():
+            logits = self._run_dummy(t, s, decode_only)
+            for flags in _sampler_variants():
+                md = _dummy_sampling_md(s)
+                self._sample(logits, md, flags).token_ids.block_until_ready()
+        elapsed = time.perf_counter() - t0
+        logger.info("warm-up compiled %d shapes in %.1f s", len(self.plan.all_shapes()), elapsed)
+        return elapsed
+
+    # ------------------------------------------------------------ swap
+    def swap_out(self, pairs, host_pool):
+        """Copy GPU blocks to host blocks: pairs [(gpu, cpu)]."""
+        if not pairs:
+            return
+        gpu = np.array([g for g, _ in pairs], np.int32)
+        cpu = np.array([c for _, c in pairs], np.int32)
+        for layer, (k, v) in enumerate(self.kv_caches):
+            host_pool[layer][0][:, cpu] = np.asarray(jax.device_get(k[:, gpu]))
+            host_pool[layer][1][:, cpu] = np.asarray(jax.device_get(v[:, gpu]))
+
+    def swap_in(self, pairs, host_pool):
+        """Copy host blocks back to GPU blocks: pairs [(cpu, gpu)]."""
+        if not pairs:
+            return
+        cpu = np.array([c for c, _ in pairs], np.int32)
+        gpu = jnp.asarray(np.array([g for _, g in pairs], np.int32))
+        new = []
+        for layer, (k, v) in enumerate(self.kv_caches):
+            k = _scatter_blocks(k, gpu, jnp.asarray(host_pool[layer][0][:, cpu]))
+            v = _scatter_blocks(v, gpu, jnp.asarray(host_pool[layer][1][:, cpu]))
+            new.append((k, v))
+        self.kv_caches = new
+
+    def host_pool(self, num_cpu_blocks: int):
+        if num_cpu_blocks == 0:
+            return None
+        k = self.kv_caches[0][0]
+        shape = (k.shape[0], num_cpu_blocks, k.shape[2], k.shape[3])
+        return [(np.zeros(shape, k.dtype), np.zeros(shape, k.dtype)) for _ in self.kv_caches]
+
+
+@jax.jit
+def _scatter_blocks(cache, ids, blocks):
+    return cache.at[:, ids].set(blocks.astype(cache.dtype))
+
+
+def _sampler_variants():
+    """The variants warmed up: greedy or random, with or without top-k/p/min-p, with
+    or without logprobs. Penalty variants depend on token-list widths and compile on
+    first use."""
+    from jaxllm.sampling_params import MAX_LOGPROBS
+    out = []
+    for lp in (0, MAX_LOGPROBS):
+        out.append(SamplerFlags(False, False, lp, True))
+        out.append(SamplerFlags(False, False, lp, False))
+        out.append(SamplerFlags(False, True, lp, False))
+    return out
+
+
+def _dummy_sampling_md(rows: int) -> SamplingMetadata:
+    from jaxllm.sampling_params import SamplingParams
+    md, _ = SamplingMetadata.from_params(
+        [], [], [], [], rows, 2, fallback_seeds=[])
+    return md
