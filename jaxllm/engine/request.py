@@ -1,0 +1,112 @@
+"""Per-request state the scheduler tracks (vLLM v1 names).
+
+A request is its token list (prompt + outputs so far) and ``num_computed_tokens``,
+the length of the prefix whose KV is in the cache. Prefill, chunked prefill and
+decode are all "catch ``num_computed_tokens`` up to ``num_tokens``".
+
+No jax here: the scheduler imports this module and must stay pure Python.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import Any
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()   # preempted by recompute; sits in the waiting queue
+    SWAPPED = enum.auto()     # preempted by swap; its KV lives in CPU blocks
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @staticmethod
+    def is_finished(status: RequestStatus) -> bool:
+        return status in _FINISH_REASONS
+
+    @staticmethod
+    def get_finished_reason(status: RequestStatus) -> str | None:
+        return _FINISH_REASONS.get(status)
+
+
+# The strings are OpenAI's `finish_reason` values.
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Request:
+    """One sequence to generate.
+
+    ``sampling_params`` is duck-typed (vLLM's SamplingParams fields): the scheduler
+    reads ``max_tokens`` (None: up to max_model_len), ``min_tokens``, ``ignore_eos``
+    and, if present, ``stop_token_ids``. ``parent_id`` is set on the n samples of one
+    prompt (ids ``f"{i}_{parent_id}"``) so they share the prompt's KV blocks.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: Any,
+        eos_token_id: int | None = None,
+        arrival_time: float | None = None,
+        parent_id: str | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.parent_id = parent_id
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.output_token_ids: list[int] = []
+        # Kept as one list so all_token_ids is O(1); extended by append_output_token.
+        self._all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.num_computed_tokens = 0
+        # Prefix-cache hit at first schedule, in tokens; -1 until then.
+        self.num_cached_tokens = -1
+        # Chained hashes of the full blocks of all_token_ids, filled lazily by the
+        # KV cache manager. Full blocks never change, so the list only grows.
+        self.block_hashes: list[int] = []
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt then outputs. Read-only view: do not mutate."""
+        return self._all_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def max_tokens(self) -> int | None:
+        return getattr(self.sampling_params, "max_tokens", None)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self._all_token_ids.append(token_id)
+
+    def is_finished(self) -> bool:
+        return RequestStatus.is_finished(self.status)
+
+    def get_finished_reason(self) -> str | None:
+        return RequestStatus.get_finished_reason(self.status)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.name}, "
+                f"tokens={self.num_tokens}, computed={self.num_computed_tokens})")

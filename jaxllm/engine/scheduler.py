@@ -1,0 +1,357 @@
+"""Token-budget continuous batching (vLLM v1 semantics), pure Python.
+
+There are no prefill/decode phases: each request wants
+``num_tokens - num_computed_tokens`` tokens, and every step hands out at most
+``max_num_batched_tokens`` of them, RUNNING requests first (oldest first), then
+swapped-out ones, then WAITING ones in FCFS order. Chunked prefill is what happens
+when a prompt's want exceeds the budget left.
+
+When blocks run out, the newest running request is preempted: by recompute (free
+its blocks, back to the front of the waiting queue) or by swap (copy its blocks to
+CPU blocks; see KVCacheManager.swap_out for when it falls back to recompute).
+
+The n samples of one prompt (Requests with the same ``parent_id``) share the
+prompt's full blocks even with prefix caching off (see kv_cache_manager). A sample
+waits while a sibling is still computing those blocks, so it finds them cached
+instead of computing its own copy.
+
+Contract: ``schedule()`` and ``update_from_output()`` alternate, one each per step.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from jaxllm.engine.block_pool import BlockPool
+from jaxllm.engine.kv_cache_manager import KVCacheManager, cdiv
+from jaxllm.engine.request import Request, RequestStatus
+
+PREEMPTION_MODES = ("recompute", "swap")
+
+
+@dataclass
+class ScheduledRequest:
+    request_id: str
+    token_ids: list[int]        # tokens fed this step (len = num_scheduled_tokens)
+    num_computed_tokens: int    # position of token_ids[0]; tokens before it are in the KV cache
+    block_table: list[int]      # all block ids of this request, in order
+    do_sample: bool             # after this step every known token is computed: sample one
+    output_index: int           # len(output_token_ids) at schedule time (seeded sampling)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)   # batch order
+    num_batched_tokens: int = 0
+    # Both performed by the runner BEFORE the step. A step never has both kinds.
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)   # (gpu, cpu)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)    # (cpu, gpu)
+    preempted_request_ids: list[str] = field(default_factory=list)
+    finished_request_ids: list[str] = field(default_factory=list)  # since the previous schedule
+
+
+class Scheduler:
+    def __init__(
+        self,
+        *,
+        block_size: int,
+        num_gpu_blocks: int,
+        num_cpu_blocks: int = 0,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        enable_chunked_prefill: bool = True,
+        enable_prefix_caching: bool = True,
+        preemption_mode: str = "recompute",
+    ) -> None:
+        _validate_args(block_size, num_gpu_blocks, num_cpu_blocks, max_num_seqs,
+                       max_num_batched_tokens, max_model_len, preemption_mode)
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.enable_prefix_caching = enable_prefix_caching
+        self.preemption_mode = preemption_mode
+        self.kv_cache_manager = KVCacheManager(block_size, num_gpu_blocks, num_cpu_blocks,
+                                               enable_prefix_caching)
+        self.requests: dict[str, Request] = {}     # unfinished requests by id
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []           # priority order: oldest first
+        self.swapped: deque[Request] = deque()
+        self._finished_req_ids: list[str] = []
+        self.num_preemptions_total = 0
+
+    # -- requests in and out --------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        self._validate_request(request)
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: str | Iterable[str], finished_status: RequestStatus) -> None:
+        """Finish requests from outside (abort, stop string). Unknown ids are ignored."""
+        assert RequestStatus.is_finished(finished_status), finished_status
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request.status is RequestStatus.RUNNING:
+                self.running.remove(request)
+            elif request.status is RequestStatus.SWAPPED:
+                self.swapped.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = finished_status
+            self._free_request(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_swapped(self) -> int:
+        return len(self.swapped)
+
+    @property
+    def block_pool(self) -> BlockPool:
+        """For metrics: get_usage(), prefix_cache_queries / prefix_cache_hits."""
+        return self.kv_cache_manager.block_pool
+
+    # -- one step ---------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_request_ids=self._finished_req_ids)
+        self._finished_req_ids = []
+        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        # A step that had to preempt admits nobody (the pool is full). This also keeps
+        # swap-ins and swap-outs in different steps, so the runner's copy order and
+        # blocks freed by one direction and reused by the other cannot clash.
+        if not out.preempted_request_ids:
+            budget = self._schedule_swapped(out, budget)
+            # Swapped requests go first: admitting new ones would starve them.
+            if not self.swapped:
+                self._schedule_waiting(out, budget)
+        return out
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           sampled: dict[str, int]) -> list[Request]:
+        """Advance the scheduled requests; return those that got a new token."""
+        updated, any_finished = [], False
+        for sched in scheduler_output.scheduled:
+            request = self.requests.get(sched.request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # finished (aborted) after it was scheduled
+            request.num_computed_tokens += len(sched.token_ids)
+            self.kv_cache_manager.cache_blocks(request)
+            if not sched.do_sample:
+                continue
+            request.append_output_token(sampled[sched.request_id])
+            updated.append(request)
+            if self._check_stop(request):
+                self._free_request(request)
+                any_finished = True
+        if any_finished:
+            self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
+        return updated
+
+    # -- scheduling passes --------------------------------------------------------------
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(request, num_new, out):
+                break  # it preempted itself: it was the last running request
+            self._add_scheduled(out, request, num_new)
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
+        # Victims come from the tail, which this step has not scheduled yet.
+        while not self.kv_cache_manager.allocate_slots(request, num_new):
+            victim = self.running.pop()
+            self._preempt(victim, out)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.num_preemptions_total += 1
+        out.preempted_request_ids.append(request.request_id)
+        if self.preemption_mode == "swap":
+            pairs = self.kv_cache_manager.swap_out(request)
+            if pairs is not None:
+                out.blocks_to_swap_out.extend(pairs)
+                request.status = RequestStatus.SWAPPED
+                # Front: later preemptions hit older (higher-priority) requests.
+                self.swapped.appendleft(request)
+                return
+        self.kv_cache_manager.free(request)
+        # Outputs so far are kept and recomputed as part of the request's tokens.
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(request)
+
+    def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
+        while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.swapped[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            pairs = self.kv_cache_manager.swap_in(request, num_new)
+            if pairs is None:
+                break
+            self.swapped.popleft()
+            out.blocks_to_swap_in.extend(pairs)
+            self._start_running(out, request, num_new)
+            budget -= num_new
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        sharing = {r.parent_id for r in self.running if self._computing_shared_prompt(r)}
+        held_back = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            if request.parent_id is not None and request.parent_id in sharing:
+                held_back.append(self.waiting.popleft())  # keeps its place, see module doc
+                continue
+            num_new = self._admit(request, budget)
+            if num_new == 0:
+                break  # FCFS: nobody overtakes a request that does not fit
+            self.waiting.popleft()
+            self._start_running(out, request, num_new)
+            budget -= num_new
+            if self._computing_shared_prompt(request):
+                sharing.add(request.parent_id)
+        self.waiting.extendleft(reversed(held_back))
+
+    def _admit(self, request: Request, budget: int) -> int:
+        """Allocate a waiting request's blocks; tokens to schedule, 0 if it must wait."""
+        hit = self.kv_cache_manager.get_computed_blocks(request)
+        num_hit = len(hit.block_ids) * self.block_size
+        num_new = request.num_tokens - num_hit
+        if num_new > budget:
+            # Without chunked prefill a prompt goes whole. Only a recompute-preempted
+            # request (prompt + outputs) can outgrow the whole budget; it is chunked.
+            if not self.enable_chunked_prefill and num_new <= self.max_num_batched_tokens:
+                return 0
+            num_new = budget
+        if not self.kv_cache_manager.allocate_slots(request, num_new, hit):
+            return 0
+        request.num_computed_tokens = num_hit
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hit
+        if self.enable_prefix_caching:
+            self.block_pool.record_prefix_query(request.num_tokens, num_hit)
+        return num_new
+
+    def _start_running(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        self._add_scheduled(out, request, num_new)
+
+    def _add_scheduled(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
+        start = request.num_computed_tokens
+        end = start + num_new
+        out.scheduled.append(ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=request.all_token_ids[start:end],
+            num_computed_tokens=start,
+            block_table=self.kv_cache_manager.get_block_table(request),
+            do_sample=end == request.num_tokens,
+            output_index=request.num_output_tokens,
+        ))
+        out.num_batched_tokens += num_new
+
+    def _computing_shared_prompt(self, request: Request) -> bool:
+        """True while a sample computes prompt blocks its siblings will reuse."""
+        if request.parent_id is None:
+            return False
+        shared_tokens = (request.num_prompt_tokens - 1) // self.block_size * self.block_size
+        return request.num_computed_tokens < shared_tokens
+
+    # -- finishing -----------------------------------------------------------------------
+
+    def _check_stop(self, request: Request) -> bool:
+        """vLLM v1 order: length cap, then (after min_tokens) EOS and stop_token_ids."""
+        params = request.sampling_params
+        max_tokens = request.max_tokens
+        if request.num_tokens >= self.max_model_len or (
+                max_tokens is not None and request.num_output_tokens >= max_tokens):
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        if request.num_output_tokens < (getattr(params, "min_tokens", 0) or 0):
+            return False
+        last = request.output_token_ids[-1]
+        if (not getattr(params, "ignore_eos", False) and request.eos_token_id is not None
+                and last == request.eos_token_id):
+            request.status = RequestStatus.FINISHED_STOPPED
+            return True
+        if last in (getattr(params, "stop_token_ids", None) or ()):
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = last
+            return True
+        return False
+
+    def _free_request(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self._finished_req_ids.append(request.request_id)
+
+    # -- validation ----------------------------------------------------------------------
+
+    def _validate_request(self, request: Request) -> None:
+        n = request.num_prompt_tokens
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if n == 0:
+            raise ValueError(f"request {request.request_id!r}: the prompt is empty")
+        if n > self.max_model_len:
+            raise ValueError(f"request {request.request_id!r}: the prompt ({n} tokens) is longer "
+                             f"than max_model_len={self.max_model_len}")
+        if not self.enable_chunked_prefill and n > self.max_num_batched_tokens:
+            raise ValueError(
+                f"request {request.request_id!r}: the prompt ({n} tokens) exceeds "
+                f"max_num_batched_tokens={self.max_num_batched_tokens} and chunked prefill is "
+                f"off; raise --max-num-batched-tokens or pass --enable-chunked-prefill")
+        # The KV the request can ever need: every token but the last sampled one.
+        max_tokens = request.max_tokens
+        final_len = self.max_model_len if max_tokens is None else min(n + max_tokens, self.max_model_len)
+        num_blocks = cdiv(max(n, final_len - 1), self.block_size)
+        usable = self.block_pool.num_usable_blocks
+        if num_blocks > usable:
+            raise ValueError(
+                f"request {request.request_id!r} can need {num_blocks} KV blocks but the cache "
+                f"has {usable}; lower max_tokens or --max-model-len, or give the KV cache "
+                f"more memory (--gpu-memory-utilization)")
+
+
+def _validate_args(block_size: int, num_gpu_blocks: int, num_cpu_blocks: int, max_num_seqs: int,
+                   max_num_batched_tokens: int, max_model_len: int, preemption_mode: str) -> None:
+    positive = dict(block_size=block_size, max_num_seqs=max_num_seqs,
+                    max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len)
+    for name, value in positive.items():
+        if value < 1:
+            raise ValueError(f"{name}={value}: must be >= 1")
+    if num_gpu_blocks < 2:
+        raise ValueError(f"num_gpu_blocks={num_gpu_blocks}: need >= 2 (block 0 is reserved)")
+    if num_cpu_blocks < 0:
+        raise ValueError(f"num_cpu_blocks={num_cpu_blocks}: must be >= 0")
+    if preemption_mode not in PREEMPTION_MODES:
+        raise ValueError(f"preemption_mode={preemption_mode!r}: use one of {PREEMPTION_MODES}")
