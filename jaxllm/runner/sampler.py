@@ -1,0 +1,309 @@
+"""Jittable sampling: greedy, temperature, min-p / top-k / top-p, penalties, logprobs.
+
+Runs inside the jitted model step, so every shape is static: S rows (a sequence
+bucket), V vocab entries, K top logprobs (0 or MAX_LOGPROBS), Lp / Lo / Lb padded
+prompt / output / blocked token lists. What varies per batch but changes the
+program (penalties on, filters on, logprobs wanted, all greedy) is a hashable
+``SamplerFlags`` passed as a static argument, so the common path (no penalties, no
+filters) pays neither for the [S, V] scatter-adds nor for the [S, V] sort.
+
+Order of operations is vLLM's: penalties on the raw logits, then greedy argmax
+(for temperature 0 rows), else temperature, min-p, top-k, top-p and a Gumbel-max
+draw. Logprobs are vLLM's default "raw" ones: log_softmax of the unprocessed logits.
+
+Randomness: a row's draw depends only on (seed, output_index), never on its row or
+on the rest of the batch, so a seeded request is reproducible however it is batched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxllm.sampling_params import MAX_LOGPROBS, SAMPLING_EPS, SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerFlags:
+    """Static (compile-time) switches for ``sample``; hashable, a jit static arg.
+
+    num_logprobs: K, the top logprobs computed per row: 0 or MAX_LOGPROBS.
+    all_greedy: every row has temperature 0, so no random numbers are drawn.
+    """
+
+    use_penalties: bool = False
+    use_top_k_top_p_min_p: bool = False
+    num_logprobs: int = 0
+    all_greedy: bool = False
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SamplingMetadata:
+    """Per-row sampling inputs for S rows; a pytree of arrays (numpy or jax).
+
+    seeds: u32[S, 2], the request seed's low and high 32-bit words.
+    output_index: i32[S], tokens the request has generated so far.
+    prompt_tokens / output_tokens / blocked_tokens: i32[S, Lp|Lo|Lb], padded with
+    -1; only read when ``SamplerFlags.use_penalties``. blocked_tokens are banned
+    this step (stop tokens while a request is below its min_tokens).
+    """
+
+    temperature: jax.Array  # f32[S], 0 = greedy
+    top_p: jax.Array  # f32[S], 1 = off
+    top_k: jax.Array  # i32[S], 0 = off
+    min_p: jax.Array  # f32[S], 0 = off
+    presence_penalty: jax.Array  # f32[S]
+    frequency_penalty: jax.Array  # f32[S]
+    repetition_penalty: jax.Array  # f32[S]
+    seeds: jax.Array  # u32[S, 2]
+    output_index: jax.Array  # i32[S]
+    prompt_tokens: jax.Array  # i32[S, Lp]
+    output_tokens: jax.Array  # i32[S, Lo]
+    blocked_tokens: jax.Array  # i32[S, Lb]
+
+    @classmethod
+    def from_params(
+        cls,
+        params: Sequence[SamplingParams],
+        output_indices: Sequence[int],
+        prompt_token_lists: Sequence[Sequence[int]] | None,
+        output_token_lists: Sequence[Sequence[int]] | None,
+        pad_to_rows: int,
+        vocab_size: int,
+        *,
+        fallback_seeds: Sequence[int] | None = None,
+        eos_token_ids: Sequence[int] = (),
+    ) -> tuple[SamplingMetadata, SamplerFlags]:
+        """Build host (numpy) metadata for N requests padded to S = pad_to_rows rows.
+
+        Padded rows are greedy and neutral. ``fallback_seeds[i]`` seeds row i when
+        ``params[i].seed`` is None (the engine draws one per request); without it a
+        fresh random seed is drawn. Token lists are only read for rows that use
+        penalties; their widths are padded to a power of two to bound recompiles.
+        """
+        n, s = len(params), pad_to_rows
+        if n > s:
+            raise ValueError(f"{n} requests do not fit in pad_to_rows={s}")
+        greedy = np.array([p.is_greedy for p in params] + [True] * (s - n))
+        temperature = _pad_f32([0.0 if p.is_greedy else p.temperature for p in params], s, 0.0)
+        md = cls(
+            temperature=temperature,
+            top_p=_pad_f32([p.top_p for p in params], s, 1.0),
+            top_k=_pad_i32([min(p.top_k, vocab_size) for p in params], s, 0),
+            min_p=_pad_f32([p.min_p for p in params], s, 0.0),
+            presence_penalty=_pad_f32([p.presence_penalty for p in params], s, 0.0),
+            frequency_penalty=_pad_f32([p.frequency_penalty for p in params], s, 0.0),
+            repetition_penalty=_pad_f32([p.repetition_penalty for p in params], s, 1.0),
+            seeds=_row_seeds(params, s, fallback_seeds),
+            output_index=_pad_i32(list(output_indices), s, 0),
+            prompt_tokens=_pad_token_lists(_penalty_rows(params, prompt_token_lists), s),
+            output_tokens=_pad_token_lists(_penalty_rows(params, output_token_lists), s),
+            blocked_tokens=_pad_token_lists(
+                _blocked_token_lists(params, output_indices, eos_token_ids), s),
+        )
+        flags = SamplerFlags(
+            use_penalties=any(p.uses_penalties for p in params)
+            or bool((md.blocked_tokens >= 0).any()),
+            use_top_k_top_p_min_p=any(p.uses_filters for p in params),
+            num_logprobs=MAX_LOGPROBS if any(p.logprobs for p in params) else 0,
+            all_greedy=bool(greedy.all()),
+        )
+        return md, flags
+
+
+class SamplerOutput(NamedTuple):
+    """token_ids i32[S]; logprobs f32[S] (raw logprob of the sampled token);
+    top_logprob_ids i32[S, K] / top_logprobs f32[S, K], best first;
+    sampled_rank i32[S], 1-based rank of the sampled token among all V."""
+
+    token_ids: jax.Array
+    logprobs: jax.Array
+    top_logprob_ids: jax.Array
+    top_logprobs: jax.Array
+    sampled_rank: jax.Array
+
+
+def sample(logits: jax.Array, md: SamplingMetadata, flags: SamplerFlags) -> SamplerOutput:
+    """Sample one token per row. logits: [S, V] (any float dtype)."""
+    logits = logits.astype(jnp.float32)
+    raw_logits = logits
+    if flags.use_penalties:
+        logits = apply_penalties(logits, md)
+    token_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if not flags.all_greedy:
+        random_ids = _sample_random(logits, md, flags)
+        token_ids = jnp.where(md.temperature < SAMPLING_EPS, token_ids, random_ids)
+    lp, rank, top_ids, top_lps = compute_logprobs(raw_logits, token_ids, flags.num_logprobs)
+    return SamplerOutput(token_ids, lp, top_ids, top_lps, rank)
+
+
+def compute_logprobs(
+    logits: jax.Array, token_ids: jax.Array, num_logprobs: int
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Raw logprobs of chosen tokens and the top-K; also usable for prompt logprobs.
+
+    logits f32[T, V], token_ids i32[T] -> (logprob f32[T], rank i32[T],
+    top_ids i32[T, K], top_logprobs f32[T, K]) with K = num_logprobs.
+    """
+    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(logprobs, token_ids[:, None], axis=-1)
+    # vLLM's rank counts ties as better, so rank >= 1 and equals 1 for the argmax.
+    rank = jnp.sum(logprobs >= chosen, axis=-1, dtype=jnp.int32)
+    if num_logprobs:
+        top_lps, top_ids = jax.lax.top_k(logprobs, num_logprobs)
+    else:
+        top_lps = jnp.zeros((logits.shape[0], 0), jnp.float32)
+        top_ids = jnp.zeros((logits.shape[0], 0), jnp.int32)
+    return chosen[:, 0], rank, top_ids.astype(jnp.int32), top_lps
+
+
+def apply_penalties(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
+    """vLLM's repetition / frequency / presence penalties, then blocked tokens.
+
+    logits f32[S, V] -> f32[S, V]. Repetition applies to tokens seen in prompt or
+    output; frequency and presence only to output tokens.
+    """
+    vocab = logits.shape[-1]
+    out_counts = _token_counts(md.output_tokens, vocab)
+    seen = (_token_counts(md.prompt_tokens, vocab) > 0) | (out_counts > 0)
+    rep = md.repetition_penalty[:, None]
+    # Dividing a positive logit / multiplying a negative one both lower the token.
+    penalized = jnp.where(logits > 0, logits / rep, logits * rep)
+    logits = jnp.where(seen, penalized, logits)
+    logits = logits - md.frequency_penalty[:, None] * out_counts
+    logits = logits - md.presence_penalty[:, None] * (out_counts > 0)
+    rows = jnp.arange(logits.shape[0])[:, None]
+    blocked = jnp.where(md.blocked_tokens >= 0, md.blocked_tokens, vocab)
+    return logits.at[rows, blocked].set(-jnp.inf, mode="drop")
+
+
+def apply_min_p(logits: jax.Array, min_p: jax.Array) -> jax.Array:
+    """Drop tokens with prob < min_p * max prob. logits f32[S, V], min_p f32[S].
+
+    Done in log space (logit < max + log(min_p)), which needs no softmax; min_p = 0
+    gives log 0 = -inf and keeps everything.
+    """
+    threshold = jnp.max(logits, axis=-1, keepdims=True) + jnp.log(min_p)[:, None]
+    return jnp.where(logits < threshold, -jnp.inf, logits)
+
+
+def apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """vLLM's top-k then top-p, by one ascending sort. logits f32[S, V].
+
+    top_k i32[S] (0 = off), top_p f32[S] (1 = off). Top-p renormalises over the
+    top-k survivors and keeps the smallest set whose mass reaches p; the cumsum
+    runs in ascending order (as vLLM) so p = 1 never cuts the tail by rounding.
+    Ties with a threshold value are kept.
+    """
+    vocab = logits.shape[-1]
+    srt = jnp.sort(logits, axis=-1)
+    k = jnp.where(top_k > 0, jnp.clip(top_k, 1, vocab), vocab)
+    kth = jnp.take_along_axis(srt, (vocab - k)[:, None], axis=-1)
+    srt = jnp.where(srt < kth, -jnp.inf, srt)
+    cum = jnp.cumsum(jax.nn.softmax(srt, axis=-1), axis=-1)
+    n_drop = jnp.sum(cum <= 1.0 - top_p[:, None], axis=-1)
+    # The largest logit always survives, even if rounding says otherwise.
+    pth = jnp.take_along_axis(srt, jnp.minimum(n_drop, vocab - 1)[:, None], axis=-1)
+    return jnp.where(logits < jnp.maximum(kth, pth), -jnp.inf, logits)
+
+
+def row_keys(seeds: jax.Array, output_index: jax.Array) -> jax.Array:
+    """One PRNG key per row from (seed words u32[S, 2], output_index i32[S])."""
+
+    def one(seed: jax.Array, index: jax.Array) -> jax.Array:
+        key = jax.random.fold_in(jax.random.key(seed[0]), seed[1])
+        return jax.random.fold_in(key, index)
+
+    return jax.vmap(one)(seeds, output_index)
+
+
+def _sample_random(logits: jax.Array, md: SamplingMetadata, flags: SamplerFlags) -> jax.Array:
+    """Temperature, filters, then Gumbel-max. logits f32[S, V] -> i32[S]."""
+    vocab = logits.shape[-1]
+    # Greedy rows are picked by argmax elsewhere; 1 only avoids dividing by 0.
+    temperature = jnp.where(md.temperature < SAMPLING_EPS, 1.0, md.temperature)
+    logits = logits / temperature[:, None]
+    if flags.use_top_k_top_p_min_p:
+        logits = apply_min_p(logits, md.min_p)
+        logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
+    keys = row_keys(md.seeds, md.output_index)
+    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (vocab,), jnp.float32))(keys)
+    return jnp.argmax(logits + gumbel, axis=-1).astype(jnp.int32)
+
+
+def _token_counts(tokens: jax.Array, vocab: int) -> jax.Array:
+    """Per-row occurrence counts i32[S, V] of tokens i32[S, L] (-1 = padding)."""
+    rows = jnp.arange(tokens.shape[0])[:, None]
+    # Padding points one past the vocab, where mode="drop" discards it.
+    index = jnp.where(tokens >= 0, tokens, vocab)
+    counts = jnp.zeros((tokens.shape[0], vocab), jnp.int32)
+    return counts.at[rows, index].add(1, mode="drop")
+
+
+# ---- host-side helpers for SamplingMetadata.from_params (numpy only) ----
+
+
+def _pad_f32(values: list[float], rows: int, fill: float) -> np.ndarray:
+    return np.array(values + [fill] * (rows - len(values)), np.float32)
+
+
+def _pad_i32(values: list[int], rows: int, fill: int) -> np.ndarray:
+    return np.array(values + [fill] * (rows - len(values)), np.int32)
+
+
+def _row_seeds(
+    params: Sequence[SamplingParams], rows: int, fallback: Sequence[int] | None
+) -> np.ndarray:
+    """u32[rows, 2] (low, high words) of each request's 64-bit seed."""
+    seeds = np.zeros((rows, 2), np.uint32)
+    rng = None
+    for i, p in enumerate(params):
+        seed = p.seed if p.seed is not None else (fallback[i] if fallback is not None else None)
+        if seed is None and p.is_greedy:
+            continue  # argmax rows never read their key
+        if seed is None:
+            rng = rng or np.random.default_rng()
+            seed = int(rng.integers(0, 2**63))
+        seed %= 2**64  # negative Python ints map onto the same 64-bit space
+        seeds[i] = (seed & 0xFFFFFFFF, seed >> 32)
+    return seeds
+
+
+def _penalty_rows(
+    params: Sequence[SamplingParams], token_lists: Sequence[Sequence[int]] | None
+) -> list[Sequence[int]]:
+    """Token lists of the rows that use penalties; empty for the others."""
+    if token_lists is None:
+        if any(p.uses_penalties for p in params):
+            raise ValueError("token lists are required when a request uses penalties")
+        return [[] for _ in params]
+    return [toks if p.uses_penalties else [] for p, toks in zip(params, token_lists)]
+
+
+def _blocked_token_lists(
+    params: Sequence[SamplingParams], output_indices: Sequence[int], eos_token_ids: Sequence[int]
+) -> list[list[int]]:
+    """Stop tokens each request may not sample yet, being below its min_tokens."""
+    blocked = []
+    for p, index in zip(params, output_indices):
+        ids: list[int] = []
+        if index < p.min_tokens:
+            ids = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
+        blocked.append(ids)
+    return blocked
+
+
+def _pad_token_lists(lists: Sequence[Sequence[int]], rows: int) -> np.ndarray:
+    """i32[rows, L] padded with -1; L is a power of two >= the longest list (>= 1)."""
+    longest = max((len(t) for t in lists), default=0)
+    width = 1 << max(longest - 1, 0).bit_length()
+    out = np.full((rows, width), -1, np.int32)
+    for i, toks in enumerate(lists):
+        out[i, : len(toks)] = toks
+    return out
