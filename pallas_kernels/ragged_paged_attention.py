@@ -13,8 +13,14 @@ query tokens of a sequence are its last ``q_len`` positions, so a query's positi
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels import common
 
 _NEG_INF = float("-inf")
 
@@ -79,3 +85,113 @@ def _load(cache, blk, mask, scale):
     if cache.dtype.itemsize == 1:
         x = x * scale
     return jnp.where(mask[None, :, :, None], x, 0.0)
+
+
+# --- Pallas kernel -----------------------------------------------------------------
+# Grid (tiles, Hkv). A tile is up to `block_q` query tokens of ONE sequence; the rows of
+# a program are (token, query head of this KV head) pairs, head-minor, so the G heads
+# share each loaded KV block and M = block_q * Gp fills the dot. The tile schedule is
+# computed in XLA from query_start_loc (at most cdiv(T, block_q) + S + 1 tiles, a
+# static bound); spare tiles have no tokens and exit at once. Padding tokens (at or
+# past query_start_loc[-1]) are covered by tiles of a pseudo-sequence with no keys, so
+# they come out as zeros like the reference's.
+
+_TILE_FIELDS = 5  # block-table row, first flat token, tokens, first position, kv length
+
+
+def tile_schedule(query_start_loc, seq_lens, num_tokens, block_q):
+    """i32[NT, 5] rows (bt_row, tok0, ntok, pos0, kv_len), heaviest tiles first."""
+    num_seqs = seq_lens.shape[0]
+    num_tiles = -(-num_tokens // block_q) + num_seqs + 1
+    qsl = query_start_loc.astype(jnp.int32)
+    q_lens = jnp.append(qsl[1:] - qsl[:-1], num_tokens - qsl[-1])   # [S + 1]
+    kv_lens = jnp.append(seq_lens.astype(jnp.int32), 0)
+    n = (q_lens + block_q - 1) // block_q
+    cum = jnp.cumsum(n)
+    i = num_tiles - 1 - jnp.arange(num_tiles, dtype=jnp.int32)    # last tiles first
+    seq = jnp.searchsorted(cum, i, side="right").astype(jnp.int32)
+    sc = jnp.minimum(seq, num_seqs)
+    j = i - (cum[sc] - n[sc])
+    ntok = jnp.where(seq <= num_seqs, jnp.clip(q_lens[sc] - j * block_q, 0, block_q), 0)
+    pos0 = kv_lens[sc] - q_lens[sc] + j * block_q
+    return jnp.stack([jnp.minimum(sc, num_seqs - 1), qsl[sc] + j * block_q, ntok, pos0,
+                      kv_lens[sc]], axis=1)
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "sm_scale", "sliding_window", "k_scale", "v_scale", "block_q", "blocks_per_step",
+    "num_warps", "num_stages", "interpret"))
+def ragged_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                           *, sm_scale, sliding_window=None, k_scale=1.0, v_scale=1.0,
+                           block_q=None, blocks_per_step=None, num_warps=8, num_stages=3,
+                           interpret=False):
+    """Same contract as ``ref_ragged_paged_attention``; the rest are kernel settings
+    (block_q query tokens per program, blocks_per_step pool blocks per inner step)."""
+    num_tokens, hq, d = q.shape
+    hkv, nb, bs, _ = k_cache.shape
+    g = hq // hkv
+    gp, dp = common.next_pow2(g), common.next_pow2(d)
+    block_q = block_q or max(1, 128 // gp)
+    blocks_per_step = blocks_per_step or max(1, 64 // bs)
+    tiles = tile_schedule(query_start_loc, seq_lens, num_tokens, block_q)
+    kernel = functools.partial(
+        _ragged_kernel, hq=hq, g=g, gp=gp, d=d, dp=dp, bs=bs, block_q=block_q,
+        tile=blocks_per_step * bs, window=sliding_window,
+        scale2=sm_scale * k_scale * common.LOG2E, v_scale=v_scale)
+    pool_spec = pl.BlockSpec((None, nb * bs, d), lambda t, h: (h, 0, 0))
+    full = lambda x: pl.BlockSpec(x.shape, lambda t, h: (0,) * x.ndim)  # noqa: E731
+    q2 = q.reshape(num_tokens * hq, d)
+    out = common.pallas_call(
+        kernel,
+        grid=(tiles.shape[0], hkv),
+        in_specs=[full(tiles), full(block_tables), full(q2), pool_spec, pool_spec],
+        out_specs=full(q2),
+        out_shape=jax.ShapeDtypeStruct(q2.shape, q.dtype),
+        num_warps=num_warps, num_stages=num_stages, interpret=interpret,
+        name="ragged_paged_attention",
+    )(tiles, block_tables, q2, k_cache.reshape(hkv, nb * bs, d),
+      v_cache.reshape(hkv, nb * bs, d))
+    return out.reshape(num_tokens, hq, d)
+
+
+def _ragged_kernel(tiles_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, *, hq, g, gp, d, dp, bs,
+                   block_q, tile, window, scale2, v_scale):
+    t, h = pl.program_id(0), pl.program_id(1)
+    seq, tok0, ntok, pos0, kvlen = (tiles_ref[t, f] for f in range(_TILE_FIELDS))
+    r = jnp.arange(block_q * gp)
+    tok, head = lax.div(r, gp), lax.rem(r, gp)
+    row_ok = (tok < ntok) & (head < g)
+    rows = jnp.where(row_ok, (tok0 + tok) * hq + h * g + head, 0)
+    qpos = pos0 + tok
+
+    @pl.when(ntok > 0)
+    def _():
+        q = common.load_rows(q_ref, rows, d, dp, row_ok)
+        hi = jnp.clip(pos0 + ntok, 0, kvlen)             # keys [lo, hi)
+        lo = 0 if window is None else jnp.maximum(pos0 - window + 1, 0)
+        start = lax.div(lo, tile) if window is not None else 0
+        end = common.cdiv(hi, tile)
+        # Steps wholly at or before the tile's first query need no mask.
+        full_end = start if window is not None else jnp.clip(lax.div(pos0 + 1, tile),
+                                                             start, end)
+
+        def step(masked, i, carry):
+            def kv_mask(kpos):
+                if not masked:
+                    return None
+                return (kpos < hi) & (kpos >= lo)
+            kpos, kvalid, k, v = common.kv_tile(
+                bt_ref, k_ref, v_ref, seq, i * tile, tile=tile, block_size=bs, d=d, dp=dp,
+                kv_mask_fn=kv_mask, dtype=q.dtype)
+            mask = None
+            if masked:
+                mask = kvalid[None, :] & (kpos[None, :] <= qpos[:, None])
+                if window is not None:
+                    mask &= kpos[None, :] > qpos[:, None] - window
+            return common.softmax_step(q, k, v, mask, carry, scale2)
+
+        carry = common.init_carry(block_q * gp, dp)
+        carry = lax.fori_loop(start, full_end, functools.partial(step, False), carry)
+        _, l, acc = lax.fori_loop(full_end, end, functools.partial(step, True), carry)
+        out = acc * (v_scale / jnp.where(l == 0.0, 1.0, l))[:, None]
+        common.store_rows(o_ref, rows, out, d, row_ok)

@@ -1,0 +1,130 @@
+"""Pieces shared by the paged-attention kernels (Pallas, Triton backend).
+
+Letter legend: M query rows of a program (tokens x query heads of one KV head),
+K keys per inner step (``blocks_per_step * BS``), Dp head dim padded to a power of two.
+
+The seam to jax-triton / Mosaic GPU is this module plus the kernels' ``pallas_call``
+sites: everything Triton-specific is (1) ``plgpu.load``/``plgpu.store`` with masks over
+pointer tensors built from integer index arrays (the block-table gather), (2)
+``plgpu.dot``, and (3) ``plgpu.CompilerParams``. A Mosaic GPU port would replace the
+gather by one TMA/async copy per pool block into shared memory (the pool block is
+contiguous ``[BS, D]``), and the dots by wgmma; the online-softmax arithmetic below
+stays as it is.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+LOG2E = math.log2(math.e)
+# Finite, so a fully masked row gives exp2(MASK - MASK) = 1 instead of NaN; the first
+# real key then wipes that (exp2(MASK - s) == 0 exactly).
+MASK = -1e30
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def cdiv(a, b):
+    """Ceil division of non-negative ints (traced or not)."""
+    return lax.div(a + b - 1, b) if isinstance(a, jax.Array) else -(-a // b)
+
+
+def compiler_params(num_warps: int, num_stages: int):
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def pallas_call(kernel, **kw):
+    """pl.pallas_call with the Triton compiler params (kept in one place for the seam)."""
+    num_warps, num_stages = kw.pop("num_warps"), kw.pop("num_stages")
+    return pl.pallas_call(kernel, compiler_params=compiler_params(num_warps, num_stages), **kw)
+
+
+def load_rows(ref, rows, d, dp, mask=None, lead=()):
+    """Rows ``ref[*lead, rows, :d]`` as ``[len(rows), dp]``; masked rows and the padding
+    columns ``d..dp`` read as 0 (and touch no memory). ``lead``: scalar indices."""
+    cols = jnp.arange(dp)
+    mask = _row_col_mask(mask, cols, d)
+    idx = ref.at[(*lead, rows[:, None], cols[None, :])]
+    if mask is None:
+        return idx[...]
+    zero = 0.0 if jnp.issubdtype(ref.dtype, jnp.floating) else 0
+    return plgpu.load(idx, mask=mask, other=zero)
+
+
+def store_rows(ref, rows, x, d, mask, lead=()):
+    """``ref[*lead, rows, :d] = x[:, :d]`` where ``mask`` (rows); x is ``[len(rows), dp]``.
+
+    Masked lanes point out of bounds: on the GPU they are never accessed, and the
+    interpreter drops them (an in-bounds duplicate would write back a stale value).
+    """
+    cols = jnp.arange(x.shape[-1])
+    rows = jnp.where(mask, rows, ref.shape[-2])
+    plgpu.store(ref.at[(*lead, rows[:, None], cols[None, :])], x.astype(ref.dtype),
+                mask=_row_col_mask(mask, cols, d))
+
+
+def store_vec(ref, idx, x, mask, lead=()):
+    """``ref[*lead, idx] = x`` where ``mask``, same out-of-bounds trick as store_rows."""
+    idx = jnp.where(mask, idx, ref.shape[-1])
+    plgpu.store(ref.at[(*lead, idx)], x.astype(ref.dtype), mask=mask)
+
+
+def _row_col_mask(mask, cols, d):
+    """[rows, cols] mask from a row mask (or None) and the head-dim padding."""
+    if cols.shape[0] == d:
+        return None if mask is None else mask[:, None]
+    col_ok = (cols < d)[None, :]
+    return col_ok if mask is None else mask[:, None] & col_ok
+
+
+def kv_tile(bt_ref, k_ref, v_ref, seq, first, *, tile, block_size, d, dp, kv_mask_fn, dtype):
+    """Keys/values of tokens ``first .. first + tile`` of block-table row ``seq``.
+
+    Returns (kpos i32[K], kvalid bool[K] or None, k [K, Dp], v [K, Dp]) with k, v cast to
+    ``dtype`` (the query's, so fp8 feeds the dot as bf16). ``kv_mask_fn(kpos)`` is None
+    on the fast path (every key valid: no masks at all) or the valid-key mask.
+    """
+    kpos = first + jnp.arange(tile)
+    col = jnp.minimum(lax.div(kpos, block_size), bt_ref.shape[1] - 1)
+    kvalid = kv_mask_fn(kpos)
+    blk = bt_ref[seq, col]
+    slots = blk * block_size + lax.rem(kpos, block_size)
+    if kvalid is not None:
+        slots = jnp.where(kvalid, slots, 0)   # stale block ids past the end: never read
+    k = load_rows(k_ref, slots, d, dp, kvalid).astype(dtype)
+    v = load_rows(v_ref, slots, d, dp, kvalid).astype(dtype)
+    return kpos, kvalid, k, v
+
+
+def softmax_step(q, k, v, mask, carry, scale2):
+    """One flash-attention step in the log2 domain.
+
+    q [M, Dp], k/v [K, Dp], mask bool[M, K] or None; carry (m [M], l [M], acc [M, Dp]).
+    ``scale2`` = sm_scale * k_scale * log2(e).
+    """
+    m, l, acc = carry
+    s = plgpu.dot(q, k, trans_b=True) * scale2
+    if mask is not None:
+        s = jnp.where(mask, s, MASK)
+    m_new = jnp.maximum(m, s.max(axis=1))
+    alpha = jnp.exp2(m - m_new)
+    p = jnp.exp2(s - m_new[:, None])
+    l = l * alpha + p.sum(axis=1)
+    acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v)
+    return m_new, l, acc
+
+
+def init_carry(rows: int, dp: int):
+    return (jnp.full((rows,), MASK, jnp.float32), jnp.zeros((rows,), jnp.float32),
+            jnp.zeros((rows, dp), jnp.float32))
+
+
+def is_fp8(dtype) -> bool:
+    return jnp.dtype(dtype).itemsize == 1

@@ -1,0 +1,44 @@
+"""The pallas attention backend: KV write, then the decode kernel for pure-decode steps
+or the ragged kernel otherwise. Called by ``jaxllm.layers.attention._pallas``.
+
+Letter legend: T flat tokens, S sequences, Hq/Hkv query/KV heads, D head dim.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from pallas_kernels.paged_attention_decode import paged_attention_decode
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+from pallas_kernels.reshape_and_cache import reshape_and_cache
+
+
+def paged_attention(q, k, v, k_cache, v_cache, md, spec):
+    """q: [T, Hq, D]; k, v: [T, Hkv, D]; caches [Hkv, NB, BS, D]; md: AttentionMetadata;
+    spec: AttentionSpec. Returns (out [T, Hq, D], k_cache, v_cache)."""
+    k_cache, v_cache = reshape_and_cache(k, v, k_cache, v_cache, md.slot_mapping,
+                                         spec.k_scale, spec.v_scale,
+                                         interpret=spec.interpret)
+    kw = dict(sm_scale=spec.sm_scale, sliding_window=spec.sliding_window,
+              k_scale=spec.k_scale, v_scale=spec.v_scale, interpret=spec.interpret)
+    if md.decode_only:
+        out = _decode(q, k_cache, v_cache, md, kw)
+    else:
+        out = ragged_paged_attention(q, k_cache, v_cache, md.block_tables, md.seq_lens,
+                                     md.query_start_loc, **kw)
+    return out, k_cache, v_cache
+
+
+def _decode(q, k_cache, v_cache, md, kw):
+    num_tokens, num_seqs = q.shape[0], md.seq_lens.shape[0]
+    if num_tokens == num_seqs:
+        # The runner's decode layout: token i is sequence i's query; padding rows have
+        # seq_len 0 and come out as zeros.
+        return paged_attention_decode(q, k_cache, v_cache, md.block_tables, md.seq_lens,
+                                      **kw)
+    # Any other layout: gather each sequence's query token, attend, scatter back.
+    first = md.query_start_loc[:-1]
+    has_q = md.query_start_loc[1:] > first
+    out = paged_attention_decode(q[jnp.clip(first, 0, num_tokens - 1)], k_cache, v_cache,
+                                 md.block_tables, jnp.where(has_q, md.seq_lens, 0), **kw)
+    dst = jnp.where(has_q, first, num_tokens)
+    return jnp.zeros_like(q).at[dst].set(out, mode="drop")

@@ -1,0 +1,134 @@
+"""Decode paged attention: one query token per sequence over the block pool, GQA, with
+split-K over the context (flash-decoding) and a combine step.
+
+Letter legend: S sequences, Hq query heads, Hkv KV heads, G = Hq // Hkv, Gp = G padded
+to a power of two >= 16 (the M of the dots), D head dim, Dp = D padded to a power of
+two, NB pool blocks, BS block size, B blocks per block-table row, NS k-splits,
+K = blocks_per_step * BS keys per inner step.
+
+Grid (S, Hkv, NS): a program takes all G query heads of one KV head of one sequence,
+so each KV block is read from HBM once. Split ``k`` of a sequence covers an equal share
+of *that sequence's* steps (computed in-kernel from ``seq_lens``), so a short sequence
+in a wide block table still spreads over all splits. Each split writes its normalized
+partial output and log2-sum-exp; the combine is a small fused XLA op.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels import common
+from pallas_kernels.ragged_paged_attention import ref_ragged_paged_attention
+
+NUM_SMS = 132  # H200; only steers the default k_splits heuristic
+
+
+def ref_paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, *, sm_scale,
+                               sliding_window=None, k_scale=1.0, v_scale=1.0):
+    """q: [S, Hq, D] (query of sequence s at position seq_lens[s] - 1) -> [S, Hq, D].
+    Rows with seq_lens 0 give zeros."""
+    num_seqs = q.shape[0]
+    qsl = jnp.arange(num_seqs + 1, dtype=jnp.int32)
+    return ref_ragged_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, qsl,
+                                      sm_scale=sm_scale, sliding_window=sliding_window,
+                                      k_scale=k_scale, v_scale=v_scale)
+
+
+def default_k_splits(num_seqs, num_kv_heads, max_steps):
+    """Enough programs for a few waves on the card, but >= 2 steps per split."""
+    want = common.next_pow2(common.cdiv(16 * NUM_SMS, num_seqs * num_kv_heads))
+    return max(1, min(want, max_steps // 2))
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "sm_scale", "sliding_window", "k_scale", "v_scale", "blocks_per_step", "k_splits",
+    "num_warps", "num_stages", "interpret"))
+def paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, *, sm_scale,
+                           sliding_window=None, k_scale=1.0, v_scale=1.0,
+                           blocks_per_step=None, k_splits=None, num_warps=4, num_stages=2,
+                           interpret=False):
+    """Same contract as ``ref_paged_attention_decode``; the rest are kernel settings."""
+    num_seqs, hq, d = q.shape
+    hkv, nb, bs, _ = k_cache.shape
+    g = hq // hkv
+    gp, dp = max(16, common.next_pow2(g)), common.next_pow2(d)
+    if blocks_per_step is None:
+        blocks_per_step = max(1, 128 // bs)
+    tile = blocks_per_step * bs
+    max_steps = common.cdiv(block_tables.shape[1] * bs, tile)
+    ns = k_splits or default_k_splits(num_seqs, hkv, max_steps)
+    kernel = functools.partial(
+        _decode_kernel, hq=hq, g=g, gp=gp, d=d, dp=dp, bs=bs, tile=tile, num_splits=ns,
+        window=sliding_window, scale2=sm_scale * k_scale * common.LOG2E, v_scale=v_scale)
+    part_dtype = jnp.float32 if ns > 1 else q.dtype
+    pool_spec = pl.BlockSpec((None, nb * bs, d), lambda s, h, k: (h, 0, 0))
+    full = lambda x: pl.BlockSpec(x.shape, lambda s, h, k: (0,) * x.ndim)  # noqa: E731
+    q2 = q.reshape(num_seqs * hq, d)
+    o, lse = common.pallas_call(
+        kernel,
+        grid=(num_seqs, hkv, ns),
+        in_specs=[full(block_tables), full(seq_lens), full(q2), pool_spec, pool_spec],
+        out_specs=[pl.BlockSpec((ns, num_seqs * hq, d), lambda s, h, k: (0, 0, 0)),
+                   pl.BlockSpec((ns, num_seqs * hq), lambda s, h, k: (0, 0))],
+        out_shape=[jax.ShapeDtypeStruct((ns, num_seqs * hq, d), part_dtype),
+                   jax.ShapeDtypeStruct((ns, num_seqs * hq), jnp.float32)],
+        num_warps=num_warps, num_stages=num_stages, interpret=interpret,
+        name="paged_attention_decode",
+    )(block_tables, seq_lens, q2, k_cache.reshape(hkv, nb * bs, d),
+      v_cache.reshape(hkv, nb * bs, d))
+    out = o[0] if ns == 1 else combine_splits(o, lse)
+    return out.reshape(num_seqs, hq, d).astype(q.dtype)
+
+
+def combine_splits(o, lse):
+    """o [NS, R, D] (each split normalized), lse [NS, R] (log2, -inf if empty) -> [R, D]."""
+    mx = lse.max(axis=0)
+    mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
+    w = jnp.exp2(lse - mx)
+    den = w.sum(axis=0)
+    num = jnp.einsum("nr,nrd->rd", w, o.astype(jnp.float32))
+    return num / jnp.where(den == 0.0, 1.0, den)[:, None]
+
+
+def _decode_kernel(bt_ref, lens_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, hq, g, gp, d,
+                   dp, bs, tile, num_splits, window, scale2, v_scale):
+    s, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    kvlen = lens_ref[s]
+    head = jnp.arange(gp)
+    rows = s * hq + h * g + jnp.minimum(head, g - 1)
+    row_ok = head < g
+    q = common.load_rows(q_ref, rows, d, dp, row_ok)
+
+    lo = 0 if window is None else jnp.maximum(kvlen - window, 0)
+    first = lax.div(lo, tile) if window is not None else 0
+    last = common.cdiv(kvlen, tile)
+    per = common.cdiv(last - first, num_splits)
+    start = jnp.minimum(first + split * per, last)
+    end = jnp.minimum(start + per, last)
+    # Steps fully inside [lo, kvlen) need no mask; only the last one is partial.
+    full_end = start if window is not None else jnp.clip(lax.div(kvlen, tile), start, end)
+
+    def step(masked, i, carry):
+        def kv_mask(kpos):
+            if not masked:
+                return None
+            ok = kpos < kvlen
+            return ok if window is None else ok & (kpos >= lo)
+        _, kvalid, k, v = common.kv_tile(bt_ref, k_ref, v_ref, s, i * tile, tile=tile,
+                                         block_size=bs, d=d, dp=dp, kv_mask_fn=kv_mask,
+                                         dtype=q.dtype)
+        mask = None if kvalid is None else jnp.broadcast_to(kvalid[None, :], (gp, tile))
+        return common.softmax_step(q, k, v, mask, carry, scale2)
+
+    carry = common.init_carry(gp, dp)
+    carry = lax.fori_loop(start, full_end, functools.partial(step, False), carry)
+    m, l, acc = lax.fori_loop(full_end, end, functools.partial(step, True), carry)
+
+    l_safe = jnp.where(l == 0.0, 1.0, l)
+    common.store_rows(o_ref, rows, acc * (v_scale / l_safe)[:, None], d, row_ok, lead=(split,))
+    lse = jnp.where(l == 0.0, -jnp.inf, m + jnp.log(l_safe) * common.LOG2E)
+    common.store_vec(lse_ref, rows, lse, row_ok, lead=(split,))

@@ -1,0 +1,71 @@
+"""Each kernel lowers for CUDA on this CPU machine (Triton IR is built and shape-checked
+here; a Triton shape error fails CI without a GPU)."""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from pallas_kernels.paged_attention_decode import paged_attention_decode
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+from pallas_kernels.reshape_and_cache import reshape_and_cache
+
+SD = jax.ShapeDtypeStruct
+BF16, FP8, I32 = jnp.bfloat16, jnp.float8_e4m3fn, jnp.int32
+
+
+def lower_for_cuda(fn, *args):
+    """Lowered text of jit(fn) for CUDA. jax >= 0.11 wants an abstract GPU mesh in
+    context to lower for a platform this machine does not have; 0.10 takes either."""
+    try:
+        from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
+        mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,),
+                            abstract_device=AbstractDevice("NVIDIA H200", 132, "gpu"))
+    except (ImportError, TypeError):
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    with use_abstract_mesh(mesh):
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _shapes(num_tokens, num_seqs, hq, hkv, d, bs, kv_dtype, q_dtype=BF16, nb=4000, width=64):
+    pool = SD((hkv, nb, bs, d), kv_dtype)
+    return (SD((num_tokens, hq, d), q_dtype), pool, pool, SD((num_seqs, width), I32),
+            SD((num_seqs,), I32), SD((num_seqs + 1,), I32))
+
+
+# (Hq, Hkv, D, BS, KV dtype, sliding window, settings)
+CONFIGS = [
+    (32, 8, 128, 16, BF16, None, {}),                      # the benchmark shape
+    (32, 8, 128, 16, FP8, None, {}),
+    (8, 8, 64, 32, BF16, None, dict(blocks_per_step=4)),
+    (32, 4, 96, 16, BF16, 4096, {}),                       # G=8, padded head dim
+    (9, 3, 64, 16, FP8, None, {}),                         # G=3 (SmolLM2)
+]
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=str)
+def test_decode_lowers(cfg):
+    hq, hkv, d, bs, kv_dtype, window, settings = cfg
+    args = _shapes(64, 64, hq, hkv, d, bs, kv_dtype)[:5]
+    fn = functools.partial(paged_attention_decode, sm_scale=0.1, sliding_window=window,
+                           **settings)
+    assert "triton" in lower_for_cuda(fn, *args)
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=str)
+def test_ragged_lowers(cfg):
+    hq, hkv, d, bs, kv_dtype, window, settings = cfg
+    args = _shapes(512, 16, hq, hkv, d, bs, kv_dtype)
+    fn = functools.partial(ragged_paged_attention, sm_scale=0.1, sliding_window=window,
+                           **settings)
+    assert "triton" in lower_for_cuda(fn, *args)
+
+
+@pytest.mark.parametrize("hkv,d,dtype", [(8, 128, BF16), (3, 80, FP8), (2, 64, BF16)])
+def test_kv_write_lowers(hkv, d, dtype):
+    pool = SD((hkv, 1000, 16, d), dtype)
+    x = SD((256, hkv, d), BF16)
+    fn = functools.partial(reshape_and_cache, k_scale=0.5, v_scale=0.5)
+    assert "triton" in lower_for_cuda(fn, x, x, pool, pool, SD((256,), I32))
