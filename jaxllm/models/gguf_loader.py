@@ -125,6 +125,9 @@ class GGUFFile:
             cfg["attention_bias"] = True
         return cfg
 
+    def location(self, name: str) -> str:
+        return self.path
+
     def get(self, name: str) -> np.ndarray:
         import gguf
         from jaxllm.models.loader import CheckpointError

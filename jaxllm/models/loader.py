@@ -94,9 +94,9 @@ def _template(name: str) -> tuple[str, int | None]:
     return name, None
 
 
-def load_state(arch: ArchConfig, dtype, get_tensor: Callable[[str], np.ndarray],
-               shardings: Callable, source: str):
-    """Fill every parameter of the model from `get_tensor(hf_name)`.
+def load_state(arch: ArchConfig, dtype, reader, shardings: Callable, source: str):
+    """Fill every parameter of the model from `reader.get(hf_name)` (numpy float32);
+    `reader.location(hf_name)` names the file holding a tensor, for errors.
 
     `shardings(path, logical_axes, shape)` gives each parameter's jax.sharding.Sharding.
     """
@@ -109,27 +109,41 @@ def load_state(arch: ArchConfig, dtype, get_tensor: Callable[[str], np.ndarray],
             raise CheckpointError(f"{source}: no weight mapping for parameter {name}")
         hf_names, combine = WEIGHT_MAP[tmpl]
         hf_names = [n.format(i=layer) for n in hf_names]
-        array = combine(arch, *[get_tensor(n) for n in hf_names])
-        want = var.value.shape
-        if tuple(array.shape) != tuple(want):
+        tensors = [reader.get(n) for n in hf_names]
+        want = var.get_value().shape
+        try:
+            array = combine(arch, *tensors)
+        except ValueError:   # a reshape that cannot work: report it like a mismatch
+            array = None
+        if array is None or tuple(array.shape) != tuple(want):
+            bad = _first_mismatch(arch, hf_names, tensors, combine)
             raise CheckpointError(
-                f"{source}: tensor {hf_names[0]} has shape {_hf_shape(get_tensor, hf_names)}, "
-                f"which does not fit parameter {name} {tuple(want)} of this config")
+                f"{reader.location(bad)}: tensor {bad} has shape "
+                f"{tuple(tensors[hf_names.index(bad)].shape)}, which does not fit parameter "
+                f"{name} {tuple(want)} of this config")
         sharding = shardings(path, var.get_metadata().get("out_sharding"), want)
         value = jax.device_put(np.asarray(array, dtype=np.dtype(dtype)), sharding)
         leaves.append((path, var.replace(value=value)))
     return graphdef, nnx.from_flat_state(leaves)
 
 
-def _hf_shape(get_tensor, names):
-    return tuple(get_tensor(names[0]).shape)
+def _first_mismatch(arch, names, tensors, combine):
+    """Which of several source tensors has the odd shape (the one unlike its twin, or
+    the first)."""
+    if len(tensors) == 2 and tensors[0].shape != tensors[1].shape:
+        expected = max((t.shape for t in tensors), key=lambda sh: sum(
+            t.shape == sh for t in tensors))
+        for n, t in zip(names, tensors):
+            if t.shape != expected:
+                return n
+    return names[0]
 
 
 def dummy_state(arch: ArchConfig, dtype, shardings: Callable, seed: int = 0):
     """Random weights of the model's shape, built on the device(s) already sharded."""
     graphdef, abstract = abstract_model(arch, dtype)
     out_shardings = jax.tree.map(
-        lambda var: shardings(None, var.get_metadata().get("out_sharding"), var.value.shape),
+        lambda var: shardings(None, var.get_metadata().get("out_sharding"), var.get_value().shape),
         abstract, is_leaf=lambda x: isinstance(x, nnx.Variable))
     cls = get_model_class(arch)
 
@@ -192,11 +206,14 @@ class SafetensorsReader:
             weight_map = None
         self.folder = folder
         self.tensors: dict[str, np.ndarray] = {}
+        self.files: dict[str, str] = {}
         for fname in files:
             path = os.path.join(folder, fname)
             if not os.path.isfile(path):
                 raise CheckpointError(f"{folder}: {fname} is listed in the index but missing")
-            self.tensors.update(_open_safetensors(path))
+            found = _open_safetensors(path)
+            self.tensors.update(found)
+            self.files.update(dict.fromkeys(found, path))
         if weight_map is not None:
             missing = sorted(set(weight_map) - set(self.tensors))
             if missing:
@@ -204,6 +221,9 @@ class SafetensorsReader:
 
     def has(self, name: str) -> bool:
         return name in self.tensors
+
+    def location(self, name: str) -> str:
+        return self.files.get(name, self.folder)
 
     def get(self, name: str) -> np.ndarray:
         if name not in self.tensors:
@@ -219,7 +239,7 @@ def load_hf_folder(folder: str, dtype_name: str, shardings: Callable) -> LoadedM
     if arch.tie_word_embeddings is False and not reader.has("lm_head.weight"):
         raise CheckpointError(f"{folder}: missing tensor lm_head.weight "
                               "(config says tie_word_embeddings=false)")
-    graphdef, state = load_state(arch, dtype, reader.get, shardings, folder)
+    graphdef, state = load_state(arch, dtype, reader, shardings, folder)
     return LoadedModel(arch, graphdef, state, folder)
 
 
@@ -250,7 +270,7 @@ def load_model(path: str | None, dtype_name: str = "auto", load_format: str = "a
         dtype = resolve_dtype(dtype_name, "float32")
         if load_format == "dummy":
             return LoadedModel(arch, *dummy_state(arch, dtype, shardings, seed), path)
-        graphdef, state = load_state(arch, dtype, gg.get, shardings, path)
+        graphdef, state = load_state(arch, dtype, gg, shardings, path)
         return LoadedModel(arch, graphdef, state, path)
     if load_format == "dummy":
         hf = read_hf_config(path)

@@ -13,6 +13,10 @@ _ARCHITECTURES = {
 }
 
 
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
 class UnsupportedModelError(ValueError):
     pass
 
@@ -57,6 +61,8 @@ def arch_from_hf_config(cfg: dict, source: str = "config.json") -> ArchConfig:
     """Read the fields of an HF config.json dict that the decoder needs."""
     archs = cfg.get("architectures") or []
     arch = next((a for a in archs if a in _ARCHITECTURES), None)
+    if arch is None and not archs:
+        arch = _MODEL_TYPES.get(cfg.get("model_type"))
     if arch is None:
         raise UnsupportedModelError(
             f"{source}: architecture {archs or cfg.get('model_type')!r} is not supported; "

