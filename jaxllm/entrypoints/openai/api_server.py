@@ -1,0 +1,206 @@
+"""The OpenAI-compatible HTTP server: a Starlette app over an AsyncLLMEngine.
+
+    run_server(config)                       # what `jaxllm serve` calls
+    app = build_app(AsyncLLMEngine(engine), config)
+    with serve_in_background(app) as url:    # tests: uvicorn on 127.0.0.1, a free port
+        ...
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import hmac
+import json
+import logging
+import threading
+import time
+from collections.abc import Iterator
+
+import uvicorn
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.datastructures import Headers
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+import jaxllm
+from jaxllm.config import EngineConfig
+from jaxllm.engine.async_engine import AsyncLLMEngine
+from jaxllm.entrypoints.openai.errors import EXCEPTION_HANDLERS, APIError, bad_request, engine_dead
+from jaxllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, parse_request)
+from jaxllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from jaxllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from jaxllm.entrypoints.openai.serving_models import OpenAIServingModels
+from jaxllm.metrics import StatLogger
+
+
+def build_app(engine: AsyncLLMEngine, config: EngineConfig, *,
+              log_stats_interval: float = 5.0) -> Starlette:
+    """The app: routes, OpenAI-shaped errors, --api-key on /v1, the stats log."""
+    llm = engine.engine
+    # The engine thread decodes with its tokenizer; the event loop gets its own copy,
+    # since a Rust tokenizer used from two threads can fail with "Already borrowed".
+    tokenizer = copy.deepcopy(llm.tokenizer)
+    names = config.model.served_model_name or (llm.model_name,)
+    models = OpenAIServingModels(names, config.model.model or names[0], llm.max_model_len)
+    chat = OpenAIServingChat(engine, models, tokenizer, _read(config.model.chat_template))
+    completion = OpenAIServingCompletion(engine, models, tokenizer)
+
+    def json_route(path: str, model: type, handler) -> Route:
+        async def endpoint(request: Request) -> Response:
+            if engine.is_dead:
+                raise engine_dead()
+            parsed = parse_request(model, await _read_json(request))
+            return await _cancel_on_disconnect(request, handler(parsed))
+        return Route(path, endpoint, methods=["POST"])
+
+    async def tokenize(req: TokenizeRequest) -> Response:
+        models.check(req.model)
+        if req.messages is not None:
+            ids = chat.render([m.to_template_dict() for m in req.messages],
+                              req.add_generation_prompt)
+        else:
+            add_special = True if req.add_special_tokens is None else req.add_special_tokens
+            ids = tokenizer(req.prompt, add_special_tokens=add_special).input_ids
+        strs = tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        return JSONResponse({"count": len(ids), "max_model_len": models.max_model_len,
+                             "tokens": ids, "token_strs": strs})
+
+    async def detokenize(req: DetokenizeRequest) -> Response:
+        models.check(req.model)
+        if any(not 0 <= t < len(tokenizer) for t in req.tokens):
+            raise bad_request(f"token ids must be in [0, {len(tokenizer)}).", param="tokens")
+        return JSONResponse({"prompt": tokenizer.decode(req.tokens)})
+
+    async def list_models(request: Request) -> Response:
+        if engine.is_dead:
+            raise engine_dead()
+        return JSONResponse(models.list_models())
+
+    async def health(request: Request) -> Response:
+        if engine.is_dead:
+            raise engine_dead()
+        return Response(status_code=200)
+
+    async def metrics(request: Request) -> Response:
+        return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def version(request: Request) -> Response:
+        return JSONResponse({"version": jaxllm.__version__})
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        task = asyncio.create_task(StatLogger(engine.metrics, log_stats_interval).run())
+        try:
+            yield
+        finally:
+            task.cancel()
+
+    routes = [
+        json_route("/v1/chat/completions", ChatCompletionRequest, chat.create),
+        json_route("/v1/completions", CompletionRequest, completion.create),
+        Route("/v1/models", list_models),
+        json_route("/tokenize", TokenizeRequest, tokenize),
+        json_route("/detokenize", DetokenizeRequest, detokenize),
+        Route("/health", health),
+        Route("/metrics", metrics),
+        Route("/version", version),
+    ]
+    middleware = []
+    if config.server.api_key:
+        middleware.append(Middleware(APIKeyMiddleware, api_key=config.server.api_key))
+    return Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
+                     exception_handlers=EXCEPTION_HANDLERS)
+
+
+def run_server(config: EngineConfig, *, log_stats_interval: float = 5.0) -> None:
+    """Build the engine, then serve on config.server.host:port until stopped."""
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO,
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = AsyncLLMEngine.from_config(config)
+    try:
+        app = build_app(engine, config, log_stats_interval=log_stats_interval)
+        # Open streams get a few seconds to finish on Ctrl-C, then are cut.
+        uvicorn.run(app, host=config.server.host, port=config.server.port, log_level="info",
+                    timeout_graceful_shutdown=5)
+    finally:
+        engine.shutdown()
+
+
+@contextlib.contextmanager
+def serve_in_background(app, host: str = "127.0.0.1", port: int = 0,
+                        log_level: str = "warning") -> Iterator[str]:
+    """Serve ``app`` with uvicorn in a thread; yield its base URL (port 0: a free one)."""
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
+    thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
+    thread.start()
+    while not server.started:
+        if not thread.is_alive():
+            raise RuntimeError("uvicorn did not start (see its log)")
+        time.sleep(0.01)
+    bound_port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://{host}:{bound_port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+class APIKeyMiddleware:
+    """--api-key: every /v1 route needs ``Authorization: Bearer <key>`` (as in vLLM)."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and (path == "/v1" or path.startswith("/v1/")):
+            given = Headers(scope=scope).get("authorization", "").encode()
+            if not hmac.compare_digest(given, self.expected):
+                error = APIError(401, "Incorrect or missing API key; send it as "
+                                      "'Authorization: Bearer <key>'.", code="invalid_api_key")
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _read(path: str | None) -> str | None:
+    if path is None:
+        return None
+    with open(path) as f:
+        return f.read()
+
+
+async def _read_json(request: Request):
+    try:
+        return json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad_request(f"The request body is not valid JSON: {e}") from None
+
+
+async def _cancel_on_disconnect(request: Request, handler) -> Response:
+    """Run a handler; if the client goes away first, cancel it (which aborts its
+    requests in the engine). Streaming responses watch for that themselves."""
+    work = asyncio.ensure_future(handler)
+    watch = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+    if work.cancelled():
+        return Response(status_code=499)   # nobody is there to read it
+    return work.result()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

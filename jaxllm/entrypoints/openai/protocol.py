@@ -1,0 +1,260 @@
+"""Request bodies of the OpenAI-compatible API, validated with pydantic.
+
+Every model forbids unknown fields, so a field we do not implement is a 400 naming
+it, never silently dropped. OpenAI fields that clients commonly send with their
+default value (``tools: []``, ``response_format: {"type": "text"}``) are declared,
+and accepted only with that value (``DEFAULT_ONLY``).
+"""
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+
+from jaxllm.entrypoints.openai.errors import APIError, bad_request
+from jaxllm.sampling_params import MAX_LOGPROBS, SamplingParams
+
+
+class OpenAIBaseModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    # field -> the values it may have (anything else is "not supported").
+    DEFAULT_ONLY: ClassVar[dict[str, tuple]] = {}
+
+    def check_supported(self) -> None:
+        for name, allowed in self.DEFAULT_ONLY.items():
+            if getattr(self, name) not in allowed:
+                raise bad_request(f"'{name}' is not supported by this server; leave it unset.",
+                                  param=name, code="unsupported_parameter")
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool | None = False
+    include_obfuscation: bool | None = None
+
+    DEFAULT_ONLY: ClassVar[dict[str, tuple]] = {"include_obfuscation": (None, False)}
+
+
+class _SamplingRequest(OpenAIBaseModel):
+    """Fields shared by chat and completions: OpenAI's, then vLLM's extras."""
+
+    model: str | None = None
+    n: int | None = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+
+    _SAMPLING_FIELDS: ClassVar[tuple[str, ...]] = (
+        "n", "temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty",
+        "top_k", "min_p", "repetition_penalty", "stop_token_ids", "ignore_eos", "min_tokens",
+        "skip_special_tokens", "include_stop_str_in_output")
+
+    DEFAULT_ONLY: ClassVar[dict[str, tuple]] = {"logit_bias": (None, {})}
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.stream_options is not None:
+            if not self.stream:
+                raise bad_request("'stream_options' is only allowed when 'stream' is true.",
+                                  param="stream_options")
+            self.stream_options.check_supported()
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def sampling_params(self, **extra) -> SamplingParams:
+        """SamplingParams from the fields that are set (null = the default) and
+        ``extra`` (passed as is); ValueError -> 400 naming the field."""
+        kwargs = {name: getattr(self, name) for name in self._SAMPLING_FIELDS
+                  if getattr(self, name) is not None}
+        kwargs.update(extra)
+        try:
+            return SamplingParams(**kwargs)
+        except ValueError as e:
+            message = str(e).removeprefix("SamplingParams.")
+            param = message.split(" ", 1)[0]
+            raise bad_request(message, param=param if param in kwargs else None) from e
+
+
+class ChatMessage(OpenAIBaseModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts_only(cls, content):
+        if isinstance(content, list):
+            for part in content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ValueError(f"content part of type {part.get('type')!r} is not "
+                                     "supported; only {'type': 'text', 'text': ...} is")
+        return content
+
+    def to_template_dict(self) -> dict[str, str]:
+        content = self.content
+        if isinstance(content, list):   # parts -> one string, as vLLM does
+            content = "\n".join(part["text"] for part in content)
+        out = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    # OpenAI fields accepted only with their default value.
+    tools: list | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    functions: list | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    audio: Any = None
+    prediction: Any = None
+    store: bool | None = None
+    metadata: Any = None
+    reasoning_effort: Any = None
+    service_tier: str | None = None
+    web_search_options: Any = None
+
+    DEFAULT_ONLY: ClassVar[dict[str, tuple]] = {
+        **_SamplingRequest.DEFAULT_ONLY,
+        "tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None,),
+        "functions": (None, []), "function_call": (None, "none"),
+        "response_format": (None, {"type": "text"}), "modalities": (None, ["text"]),
+        "audio": (None,), "prediction": (None,), "store": (None, False), "metadata": (None,),
+        "reasoning_effort": (None,), "service_tier": (None, "auto", "default"),
+        "web_search_options": (None,),
+    }
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if not self.messages:
+            raise bad_request("'messages' must not be empty.", param="messages")
+        if self.top_logprobs and not self.logprobs:
+            raise bad_request("'top_logprobs' needs 'logprobs': true.", param="top_logprobs")
+
+    def to_sampling_params(self) -> SamplingParams:
+        top = (self.top_logprobs or 0) if self.logprobs else None
+        if top is not None and not 0 <= top <= MAX_LOGPROBS:
+            raise bad_request(f"'top_logprobs' must be in [0, {MAX_LOGPROBS}], got {top}.",
+                              param="top_logprobs")
+        max_tokens = self.max_completion_tokens
+        return self.sampling_params(
+            max_tokens=self.max_tokens if max_tokens is None else max_tokens, logprobs=top)
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool | None = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    DEFAULT_ONLY: ClassVar[dict[str, tuple]] = {**_SamplingRequest.DEFAULT_ONLY,
+                                                 "suffix": (None,)}
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, prompt):
+        def is_ids(p):
+            return isinstance(p, list) and all(type(t) is int for t in p)
+        if not (isinstance(prompt, str) or is_ids(prompt) or (isinstance(prompt, list) and (
+                all(isinstance(p, str) for p in prompt) or all(is_ids(p) for p in prompt)))):
+            raise ValueError("must be a string, a list of strings, a list of token ids, or a "
+                             "list of token-id lists")
+        return prompt
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.best_of is not None and self.best_of != (self.n or 1):
+            raise bad_request("'best_of' is not supported by this server (only best_of == n).",
+                              param="best_of", code="unsupported_parameter")
+        if not self.prompt or any(p == [] or p == "" for p in self.prompt_list()):
+            raise bad_request("'prompt' must not be empty.", param="prompt")
+
+    def prompt_list(self) -> list[str | list[int]]:
+        """The prompts: one string or token-id list per choice group."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            return [prompt]
+        return list(prompt)
+
+    def to_sampling_params(self) -> SamplingParams:
+        return self.sampling_params(max_tokens=self.max_tokens, logprobs=self.logprobs)
+
+
+class TokenizeRequest(OpenAIBaseModel):
+    """vLLM's /tokenize: either ``prompt`` or chat ``messages``."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None   # default: True for prompt, False for messages
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    def check_supported(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise bad_request("give exactly one of 'prompt' and 'messages'.", param="prompt")
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+def parse_request(cls: type[OpenAIBaseModel], body: Any) -> OpenAIBaseModel:
+    """Validate a JSON body into ``cls``; any problem is an APIError (400)."""
+    if not isinstance(body, dict):
+        raise bad_request("The request body must be a JSON object.")
+    try:
+        request = cls.model_validate(body)
+    except ValidationError as e:
+        raise _from_validation_error(e) from None
+    request.check_supported()
+    return request
+
+
+def _from_validation_error(exc: ValidationError) -> APIError:
+    error = exc.errors(include_url=False)[0]
+    loc = [str(part) for part in error["loc"] if not _is_type_tag(part)]
+    param = ".".join(loc) or None
+    if error["type"] == "extra_forbidden":
+        return bad_request(f"Unsupported parameter: '{param}' is not supported by this server.",
+                           param=param, code="unsupported_parameter")
+    if error["type"] == "missing":
+        return bad_request(f"Missing required parameter: '{param}'.", param=param,
+                           code="missing_required_parameter")
+    return bad_request(f"Invalid value for '{param}': {error['msg']}.", param=param,
+                       code="invalid_value")
+
+
+def _is_type_tag(part) -> bool:
+    """Pydantic puts union member names (``list[int]``, ``str``) into error locations."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool")
+                                      or "[" in part or part.startswith("function-"))
