@@ -67,12 +67,14 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         import jax
         from jaxllm.models.loader import get_tokenizer, load_model
-        from jaxllm.parallel import mesh as mesh_lib
+        from jaxllm.parallel import distributed, mesh as mesh_lib
         from jaxllm.runner.model_runner import ModelRunner
 
         self.config = config
         mc = config.model
         t0 = time.perf_counter()
+        distributed.check_config(config)
+        distributed.initialize(config.parallel)     # multi-host; a no-op on one process
         self.mesh = mesh_lib.make_mesh(config.parallel.tensor_parallel_size)
         loaded = load_model(mc.model, mc.dtype, mc.load_format,
                             mesh_lib.param_shardings(self.mesh), mc.seed)
@@ -134,9 +136,12 @@ class LLMEngine:
         group = _Group(request_id, text, token_ids, params, [], RequestMetrics(now))
         for i in range(params.n):
             sid = request_id if params.n == 1 else f"{i}_{request_id}"
-            req = Request(sid, token_ids, params, eos_token_id=self.eos_token_id,
+            # Sample i of a seeded request uses seed + i, as vLLM does.
+            child = params if params.n == 1 else dataclasses.replace(
+                params, n=1, seed=None if params.seed is None else params.seed + i)
+            req = Request(sid, token_ids, child, eos_token_id=self.eos_token_id,
                           arrival_time=now, parent_id=request_id if params.n > 1 else None)
-            seed = params.seed + i if params.seed is not None else self._rng.getrandbits(63)
+            seed = child.seed if child.seed is not None else self._rng.getrandbits(63)
             sample = _Sample(req, IncrementalDetokenizer(self.tokenizer, token_ids, params),
                              seed, logprobs=[] if params.logprobs is not None else None)
             group.samples.append(sample)

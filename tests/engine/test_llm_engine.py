@@ -1,0 +1,181 @@
+"""The engine end to end on tiny random models (float32, CPU): continuous batching,
+chunked prefill, prefix caching, preemption, fp8 KV, seeded sampling, compile counts."""
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+import torch
+
+from jaxllm import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+ENGINE = dict(dtype="float32", max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64,
+              cpu_kv_cache_bytes=4 << 20)
+
+
+def make_prompts(vocab: int, n: int = 32, seed: int = 3, prefix: list[int] | None = None):
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(1, 60, n)
+    return [(prefix or []) + rng.integers(0, vocab, k).tolist() for k in lens]
+
+
+def run(llm, prompts, params=GREEDY):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_model):
+    folder, hf = tiny_model("llama")
+    return folder, hf, LLM(folder, enforce_eager=True, **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def reference(llama):
+    """Each prompt generated alone (batch of one), and HF greedy."""
+    folder, hf, llm = llama
+    prompts = make_prompts(hf.config.vocab_size)
+    alone = [run(llm, [p])[0] for p in prompts]
+    with torch.no_grad():
+        hf_out = [hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                              max_new_tokens=12, min_new_tokens=12,
+                              do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+                  for p in prompts]
+    return prompts, alone, hf_out
+
+
+def test_continuous_batching_matches_alone_and_hf(llama, reference):
+    _, _, llm = llama
+    prompts, alone, hf_out = reference
+    assert alone == hf_out
+    assert run(llm, prompts) == alone
+
+
+@pytest.mark.parametrize("engine_args", [
+    dict(max_num_batched_tokens=16, enable_chunked_prefill=True),          # chunked prefill
+    dict(num_gpu_blocks_override=12, preemption_mode="recompute"),         # forced preemption
+    dict(num_gpu_blocks_override=12, preemption_mode="swap", swap_space=0.01),
+], ids=["chunked", "preempt-recompute", "preempt-swap"])
+def test_batching_variants_match_alone(llama, reference, engine_args):
+    folder, _, _ = llama
+    prompts, alone, _ = reference
+    llm = LLM(folder, enforce_eager=True, **{**ENGINE, **engine_args})
+    assert run(llm, prompts) == alone
+    stats = llm.llm_engine.get_stats()
+    if "num_gpu_blocks_override" in engine_args:
+        assert stats.num_preemptions_total > 0
+    assert stats.num_free_blocks == stats.num_total_blocks and stats.num_running == 0
+
+
+def test_prefix_caching_shared_system_prompt(llama):
+    folder, hf, _ = llama
+    system = np.random.default_rng(9).integers(0, hf.config.vocab_size, 40).tolist()
+    prompts = make_prompts(hf.config.vocab_size, n=12, prefix=system)
+    plain = LLM(folder, enforce_eager=True, **ENGINE)
+    cached = LLM(folder, enforce_eager=True, enable_prefix_caching=True, **ENGINE)
+    want = [run(plain, [p])[0] for p in prompts]
+    assert run(cached, prompts) == want
+    stats = cached.llm_engine.get_stats()
+    assert stats.prefix_cache_hits >= 32 * 11     # two full blocks of the system prompt
+    assert stats.num_free_blocks == stats.num_total_blocks
+
+
+def check_logprobs_close(a, b, top_n: int):
+    """vLLM's rule: tokens equal until they diverge; at the divergence each side's
+    token is among the other's top-N logprobs; after it, stop comparing."""
+    for (ta, la), (tb, lb) in zip(a, b):
+        for i, (x, y) in enumerate(zip(ta, tb)):
+            if x != y:
+                assert x in lb[i] and y in la[i], (i, x, y)
+                break
+
+
+def test_fp8_kv_cache_logprobs_close(llama):
+    folder, hf, llm = llama
+    prompts = make_prompts(hf.config.vocab_size, n=8)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
+    fp8 = LLM(folder, enforce_eager=True, kv_cache_dtype="fp8", **ENGINE)
+    assert str(fp8.llm_engine.runner.kv_caches[0][0].dtype) == "float8_e4m3fn"
+
+    def collect(engine):
+        outs = engine.generate([{"prompt_token_ids": p} for p in prompts], params,
+                               use_tqdm=False)
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+    base, low = collect(llm), collect(fp8)
+    check_logprobs_close(base, low, top_n=5)
+    # fp8 must not be a no-op: at least one logprob moved.
+    moved = max(abs(b[1][0][b[0][0]].logprob - c[1][0][c[0][0]].logprob)
+                for b, c in zip(base, low) if b[0][0] == c[0][0])
+    assert moved > 0
+
+
+def test_seeded_sampling_reproducible_whatever_the_batch(llama):
+    _, hf, llm = llama
+    prompts = make_prompts(hf.config.vocab_size, n=6, seed=11)
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=10, ignore_eos=True)
+    other = SamplingParams(temperature=0.8, max_tokens=10, ignore_eos=True)
+    alone = run(llm, [prompts[0]], seeded)[0]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        [other, other, seeded, other, other, other], use_tqdm=False)
+    mixed = [{"prompt_token_ids": prompts[0]}] + [{"prompt_token_ids": p} for p in prompts[1:]]
+    outs2 = llm.generate(mixed[::-1], [other] * 5 + [seeded], use_tqdm=False)
+    assert outs2[-1].outputs[0].token_ids == alone
+    assert run(llm, [prompts[2]], seeded)[0] == outs[2].outputs[0].token_ids
+    # And a different seed gives a different sample.
+    assert run(llm, [prompts[0]], SamplingParams(temperature=1.0, top_p=0.9, seed=99,
+                                                max_tokens=10, ignore_eos=True))[0] != alone
+
+
+def test_n_samples_stop_strings_and_abort(llama):
+    _, hf, llm = llama
+    tok = llm.get_tokenizer()
+    out = llm.generate("the quick brown fox", SamplingParams(n=3, temperature=1.0, seed=5,
+                                                              max_tokens=8, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    base = llm.generate("hello world", SamplingParams(temperature=0, max_tokens=12,
+                                                      ignore_eos=True), use_tqdm=False)[0]
+    text = base.outputs[0].text
+    stop = text[3:6]
+    if stop.strip():
+        cut = llm.generate("hello world", SamplingParams(temperature=0, max_tokens=12,
+                                                         ignore_eos=True, stop=[stop]),
+                           use_tqdm=False)[0].outputs[0]
+        assert cut.text == text[:text.index(stop)]
+        assert cut.finish_reason == "stop" and cut.stop_reason == stop
+    engine = llm.llm_engine
+    engine.add_request("x", "the lazy dog", SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.step()
+    engine.abort_request("x")
+    assert not engine.has_unfinished_requests()
+    stats = engine.get_stats()
+    assert stats.num_free_blocks == stats.num_total_blocks
+    del tok
+
+
+def test_prompt_too_long_is_rejected_with_vllm_wording(llama):
+    _, _, llm = llama
+    with pytest.raises(ValueError, match="maximum context length is 128 tokens. However, "
+                                         "you requested 140 tokens"):
+        llm.generate({"prompt_token_ids": [1] * 130}, SamplingParams(max_tokens=10))
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_no_compilation_after_warm_up(tiny_model):
+    folder, hf = tiny_model("qwen3")
+    llm = LLM(folder, **ENGINE)                       # warm-up compiles every bucket
+    compiles = []
+    listener = lambda name, *a, **k: compiles.append(name) if "backend_compile" in name else None  # noqa: E731
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        prompts = make_prompts(hf.config.vocab_size, n=20, seed=5)
+        params = [SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
+                  SamplingParams(temperature=0.7, top_k=5, seed=1, max_tokens=5),
+                  SamplingParams(temperature=1.0, max_tokens=7, logprobs=3)] * 7
+        llm.generate([{"prompt_token_ids": p} for p in prompts], params[:20], use_tqdm=False)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert compiles == []
