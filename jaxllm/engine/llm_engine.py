@@ -80,7 +80,9 @@ class LLMEngine:
                             mesh_lib.param_shardings(self.mesh), mc.seed)
         self.arch = loaded.arch
         self.model_path = loaded.source
-        self.tokenizer = get_tokenizer(loaded.source, mc.tokenizer)
+        self.tokenizer = get_tokenizer(
+            loaded.source, mc.tokenizer,
+            vocab_size=self.arch.vocab_size if mc.load_format == "dummy" else None)
         if mc.chat_template:
             with open(mc.chat_template) as f:
                 self.tokenizer.chat_template = f.read()

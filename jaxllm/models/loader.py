@@ -280,14 +280,34 @@ def load_model(path: str | None, dtype_name: str = "auto", load_format: str = "a
     return load_hf_folder(path, dtype_name, shardings)
 
 
-def get_tokenizer(path: str | None, tokenizer: str | None = None):
-    """The tokenizer of an HF folder or GGUF file (None = the embedded default)."""
+def get_tokenizer(path: str | None, tokenizer: str | None = None,
+                  vocab_size: int | None = None):
+    """The tokenizer of an HF folder or GGUF file (None = the embedded default).
+
+    A folder with only config.json (a `--load-format dummy` shape) gets a placeholder
+    when `vocab_size` is given: benchmarks feed token ids and need no real text."""
     from jaxllm.models.gguf_loader import GGUFFile, default_model_path
     path = tokenizer or path or default_model_path()
     if path.endswith(".gguf"):
         return GGUFFile(path).tokenizer()
     from transformers import AutoTokenizer
+    if os.path.isdir(path) and not any(
+            os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer.model")):
+        if vocab_size is not None:
+            return placeholder_tokenizer(vocab_size)
+        raise CheckpointError(f"{path}: no tokenizer.json or tokenizer.model")
     try:
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path}: cannot load a tokenizer ({e})") from None
+
+
+def placeholder_tokenizer(vocab_size: int):
+    """Token i <-> the word "t{i}": enough to run and detokenize random-weight models."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", eos_token="t0")

@@ -1,0 +1,226 @@
+"""End-to-end engine benchmarks on one GPU (BENCHMARKS.md workloads), with the HF
+transformers peer run in the same process on the same card.
+
+    python scripts/bench_h200.py --model configs/models/llama-3.1-8b \
+        --workloads latency,decode-1,throughput,sharegpt --hf-peer
+
+Random (`dummy`) weights; prompts are random token ids. Prints a table last and
+writes JSON to $OUT/bench_h200.json when OUT is set.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+ROOFLINE_NOTE = {
+    "latency": "vLLM H200 CI 833 ms; roofline ~480 ms",
+    "decode-1": "roofline ~268 tok/s",
+    "throughput": "roofline ~49k tok/s",
+    "sharegpt": "vLLM CI 22.6 req/s (real ShareGPT)",
+}
+
+
+def random_prompts(rng, n, length, vocab):
+    return [{"prompt_token_ids": rng.integers(100, vocab - 100, int(k)).tolist()}
+            for k in (length if hasattr(length, "__len__") else [length] * n)]
+
+
+def timed_generate(llm, prompts, params):
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return time.perf_counter() - t0, outs
+
+
+def bench_latency(llm, vocab, args):
+    from jaxllm import SamplingParams
+    rng = np.random.default_rng(0)
+    prompts = random_prompts(rng, 8, 32, vocab)
+    params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
+    timed_generate(llm, prompts, params)                       # warm
+    times = [timed_generate(llm, prompts, params)[0] for _ in range(args.repeat)]
+    return {"latency_ms_median": 1000 * statistics.median(times),
+            "latency_ms_all": [round(1000 * t, 1) for t in times]}
+
+
+def bench_decode1(llm, vocab, args):
+    from jaxllm import SamplingParams
+    rng = np.random.default_rng(1)
+    prompts = random_prompts(rng, 1, 128, vocab)
+    params = SamplingParams(temperature=0, max_tokens=512, ignore_eos=True)
+    timed_generate(llm, prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    t, outs = timed_generate(llm, prompts, params)
+    return {"output_tok_s": 512 / t, "seconds": t}
+
+
+def bench_throughput(llm, vocab, args):
+    from jaxllm import SamplingParams
+    rng = np.random.default_rng(2)
+    n = args.num_prompts
+    prompts = random_prompts(rng, n, 1024, vocab)
+    params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
+    timed_generate(llm, prompts[:64], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    t, outs = timed_generate(llm, prompts, params)
+    out_toks = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"requests_s": n / t, "total_tok_s": (n * 1024 + out_toks) / t,
+            "output_tok_s": out_toks / t, "seconds": t}
+
+
+def sharegpt_lengths(n=1000):
+    rng = np.random.default_rng(0)
+    inp = np.clip(np.round(rng.lognormal(4.8, 1.0, n)), 4, 1024).astype(int)
+    out = np.clip(np.round(rng.lognormal(4.75, 0.95, n)), 4, 1024).astype(int)
+    return inp, out
+
+
+def bench_sharegpt(llm, vocab, args):
+    from jaxllm import SamplingParams
+    inp, out = sharegpt_lengths(args.num_prompts)
+    rng = np.random.default_rng(3)
+    prompts = random_prompts(rng, len(inp), inp, vocab)
+    params = [SamplingParams(temperature=0, max_tokens=int(k), ignore_eos=True) for k in out]
+    t, outs = timed_generate(llm, prompts, params)
+    out_toks = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"requests_s": len(prompts) / t, "output_tok_s": out_toks / t,
+            "total_tok_s": (int(inp.sum()) + out_toks) / t, "seconds": t}
+
+
+def hf_peer(model_dir, vocab, args):
+    """HF transformers `generate` on the same shape with random bf16 weights."""
+    import torch
+    import transformers as tf
+    cfg = tf.AutoConfig.from_pretrained(model_dir)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    rng = np.random.default_rng(0)
+    res = {}
+    ids = torch.tensor(rng.integers(100, vocab - 100, (8, 32)), device="cuda")
+    kw = dict(do_sample=False, max_new_tokens=128, min_new_tokens=128, pad_token_id=0)
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model.generate(ids, **kw)
+        torch.cuda.synchronize()
+        res["latency_ms"] = 1000 * (time.perf_counter() - t0)
+        if "sharegpt" in args.workloads:
+            res.update(hf_sharegpt(model, vocab))
+    del model
+    torch.cuda.empty_cache()
+    return res
+
+
+def hf_sharegpt(model, vocab, n=128, batch=64):
+    """Static batches of 64 in arrival order, left padded, each run to its longest."""
+    import torch
+    inp, out = sharegpt_lengths()
+    rng = np.random.default_rng(3)
+    t0 = time.perf_counter()
+    useful = 0
+    for b in range(0, n, batch):
+        lens, outs = inp[b:b + batch], out[b:b + batch]
+        width = int(lens.max())
+        ids = np.zeros((len(lens), width), np.int64)
+        mask = np.zeros_like(ids)
+        for i, k in enumerate(lens):
+            ids[i, width - k:] = rng.integers(100, vocab - 100, k)
+            mask[i, width - k:] = 1
+        model.generate(torch.tensor(ids, device="cuda"),
+                       attention_mask=torch.tensor(mask, device="cuda"), do_sample=False,
+                       max_new_tokens=int(outs.max()), min_new_tokens=int(outs.max()),
+                       pad_token_id=0)
+        useful += int(outs.sum())
+    torch.cuda.synchronize()
+    t = time.perf_counter() - t0
+    return {"sharegpt_requests_s": n / t, "sharegpt_useful_output_tok_s": useful / t,
+            "sharegpt_requests": n}
+
+
+WORKLOADS = {"latency": bench_latency, "decode-1": bench_decode1,
+             "throughput": bench_throughput, "sharegpt": bench_sharegpt}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="configs/models/llama-3.1-8b")
+    ap.add_argument("--workloads", default="latency,decode-1,throughput,sharegpt")
+    ap.add_argument("--num-prompts", type=int, default=1000)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1)
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--hf-peer", action="store_true")
+    ap.add_argument("--tag", default="")
+    args = ap.parse_args()
+    args.workloads = args.workloads.split(",")
+    import jax
+    from jaxllm import LLM
+    from jaxllm.models.loader import read_hf_config
+    vocab = read_hf_config(args.model)["vocab_size"]
+    results = {"model": args.model, "device": str(jax.devices()[0].device_kind),
+               "tp": args.tensor_parallel_size, "tag": args.tag}
+    t0 = time.perf_counter()
+    llm = LLM(args.model, load_format="dummy", dtype="bfloat16",
+              max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens,
+              attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
+              tensor_parallel_size=args.tensor_parallel_size)
+    results["startup_s"] = time.perf_counter() - t0
+    results["kv_blocks"] = llm.llm_engine.runner.num_blocks
+    results["backend"] = llm.llm_engine.runner.spec.backend
+    print(f"engine up in {results['startup_s']:.1f} s, {results['kv_blocks']} blocks", flush=True)
+    for name in args.workloads:
+        try:
+            results[name] = WORKLOADS[name](llm, vocab, args)
+        except Exception as e:   # keep the table even if one workload breaks
+            traceback.print_exc()
+            results[name] = {"error": repr(e)[:300]}
+        print(name, json.dumps(results[name]), flush=True)
+    if args.hf_peer:
+        del llm
+        try:
+            results["hf"] = hf_peer(args.model, vocab, args)
+        except Exception as e:
+            traceback.print_exc()
+            results["hf"] = {"error": repr(e)[:300]}
+    print_table(results)
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, f"bench_h200{args.tag}.json"), "w") as f:
+            json.dump(results, f, indent=1)
+
+
+def print_table(r):
+    print(f"\n== {r['model']} on {r['device']} TP={r['tp']} backend={r.get('backend')} "
+          f"start-up {r['startup_s']:.1f} s")
+    hf = r.get("hf", {})
+    rows = [
+        ("latency", "latency_ms_median", "ms", hf.get("latency_ms")),
+        ("decode-1", "output_tok_s", "out tok/s", 268.0),
+        ("throughput", "total_tok_s", "total tok/s", 49000.0),
+        ("sharegpt", "requests_s", "req/s", hf.get("sharegpt_requests_s")),
+    ]
+    for name, key, unit, peer in rows:
+        v = r.get(name, {}).get(key)
+        if v is None:
+            if name in r:
+                print(f"{name:11s} {r[name]}")
+            continue
+        ratio = f"{v / peer:.2f}x of peer/ceiling {peer:.1f}" if peer else ""
+        print(f"{name:11s} {v:10.1f} {unit:12s} {ratio}  ({ROOFLINE_NOTE[name]})")
+
+
+if __name__ == "__main__":
+    main()
