@@ -164,3 +164,50 @@ def engine_config_from_flat(**kwargs) -> EngineConfig:
     top = grouped.pop(None, {})
     sections = {s: SECTIONS[s](**vals) for s, vals in grouped.items()}
     return EngineConfig(**sections, **top)
+
+
+def flat_from_config(config: EngineConfig) -> dict:
+    """The inverse of `engine_config_from_flat`: every flat key with its value."""
+    return {name: getattr(getattr(config, section) if section else config, fname)
+            for name, (section, fname) in FLAT_KEYS.items()}
+
+
+def effective_max_model_len(config: EngineConfig, arch) -> int:
+    """max_model_len, or the model's own context when it is unset."""
+    return config.model.max_model_len or arch.max_position_embeddings
+
+
+def check_against_model(config: EngineConfig, arch, source: str = "the model") -> None:
+    """Checks that need the model's shape (an ArchConfig); run them before loading
+    weights. Raises ConfigError naming the key, the value and what to change."""
+    context = arch.max_position_embeddings
+    max_len = config.model.max_model_len
+    if max_len is not None and max_len > context:
+        raise ConfigError(
+            f"max_model_len={max_len} exceeds the model's context of {context} tokens "
+            f"({source}); set max_model_len to {context} or less")
+    max_len = effective_max_model_len(config, arch)
+    budget = config.scheduler.max_num_batched_tokens
+    if not config.scheduler.enable_chunked_prefill and budget is not None and budget < max_len:
+        raise ConfigError(
+            f"max_num_batched_tokens={budget} is below max_model_len={max_len} with "
+            "chunked prefill off, so a full-length prompt could never be scheduled; raise "
+            f"max_num_batched_tokens to {max_len}, lower max_model_len, or turn on "
+            "enable_chunked_prefill")
+    tp, heads, kv_heads = config.parallel.tensor_parallel_size, arch.num_heads, arch.num_kv_heads
+    fits = [n for n in range(1, heads + 1)
+            if heads % n == 0 and (kv_heads % n == 0 or n % kv_heads == 0)]
+    if tp not in fits:
+        raise ConfigError(
+            f"tensor_parallel_size={tp} does not divide the model's {heads} query heads "
+            f"and {kv_heads} KV heads ({source}); use one of {', '.join(map(str, fits))}")
+
+
+def check_device_count(config: EngineConfig, available: int) -> None:
+    """`available`: the devices the mesh can span (len(jax.devices()) on one host)."""
+    tp = config.parallel.tensor_parallel_size
+    if tp > available:
+        raise ConfigError(
+            f"tensor_parallel_size={tp} asks for {tp} devices but {available} "
+            f"{'is' if available == 1 else 'are'} present; set tensor_parallel_size to "
+            f"{available} or less")

@@ -1,0 +1,257 @@
+"""Launch settings: a YAML or TOML file merged under command-line flags.
+
+Precedence is defaults < file < flags. Keys are the flat engine-argument names of
+`jaxllm.config` (vLLM's), written with underscores or dashes; a file may also group
+them under their section (`cache:`, `scheduler:` ...). Relative paths in a file are
+read from the file's folder. Every value is checked against its field's type here,
+so a bad one fails with its key, value and source before anything is loaded.
+
+Pure Python: jax is imported only by `prepare_launch`, after the flags are parsed.
+"""
+from __future__ import annotations
+
+import difflib
+import os
+import struct
+import typing
+
+from jaxllm.config import (FLAT_KEYS, SECTIONS, ConfigError, EngineConfig,
+                           check_against_model, check_device_count, engine_config_from_flat)
+
+# Keys holding a path: in a config file they are relative to the file's folder.
+PATH_KEYS = ("model", "tokenizer", "chat_template", "compilation_cache_dir")
+_TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
+
+
+def _field_types() -> dict[str, object]:
+    types = {}
+    for name, (section, fname) in FLAT_KEYS.items():
+        cls = SECTIONS[section] if section else EngineConfig
+        types[name] = typing.get_type_hints(cls)[fname]
+    return types
+
+
+FIELD_TYPES = _field_types()
+
+
+def normalize_key(key: str) -> str:
+    return str(key).replace("-", "_")
+
+
+def unknown_key_error(key: str, value, source: str) -> ConfigError:
+    close = difflib.get_close_matches(normalize_key(key), FLAT_KEYS, n=1, cutoff=0.6)
+    fix = f"did you mean {close[0]!r}?" if close else "see `jaxllm serve --help` for the keys"
+    return ConfigError(f"{source}: unknown key {key!r} (value {value!r}); {fix}")
+
+
+def coerce(key: str, value, source: str):
+    """`value` (from YAML/TOML, or a flag's string) as the type of field `key`."""
+    hint = FIELD_TYPES[key]
+    args = typing.get_args(hint)
+    optional = type(None) in args
+    base = next((a for a in args if a is not type(None)), hint) if optional else hint
+    if value is None or (optional and isinstance(value, str) and value.lower() in ("none", "null")):
+        if optional:
+            return None
+        _bad(key, value, source, f"a value is required ({_describe(base)})")
+    if typing.get_origin(base) is tuple:            # served_model_name
+        items = [value] if isinstance(value, str) else value
+        if not isinstance(items, (list, tuple)) or not all(isinstance(v, str) for v in items):
+            _bad(key, value, source, "give a name or a list of names")
+        return tuple(items)
+    if base is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in _TRUE + _FALSE:
+            return value.lower() in _TRUE
+        _bad(key, value, source, "give true or false")
+    if isinstance(value, bool):                     # YAML `yes` is not a number or a name
+        _bad(key, value, source, _describe(base))
+    try:
+        if base is int and isinstance(value, (int, str)):
+            return int(value)
+        if base is float and isinstance(value, (int, float, str)):
+            return float(value)
+        if base is str and isinstance(value, str):
+            return value
+    except ValueError:
+        pass
+    _bad(key, value, source, _describe(base))
+
+
+def _describe(base) -> str:
+    return {int: "give a whole number", float: "give a number",
+            str: "give a string"}.get(base, f"give a {base}")
+
+
+def _bad(key, value, source, fix):
+    raise ConfigError(f"{key}={value!r} ({source}): {fix}")
+
+
+def read_file(path: str) -> dict:
+    """The file's settings: {flat key: typed value}. YAML (.yaml/.yml) or TOML (.toml)."""
+    ext = os.path.splitext(path)[1].lower()
+    if ext not in (".yaml", ".yml", ".toml"):
+        raise ConfigError(f"config={path!r}: use a .yaml, .yml or .toml file")
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise ConfigError(f"config={path!r}: cannot read it ({e.strerror})") from None
+    try:
+        if ext == ".toml":
+            import tomllib
+            raw = tomllib.loads(data.decode())
+        else:
+            import yaml
+            raw = yaml.safe_load(data) or {}
+    except Exception as e:  # yaml.YAMLError / tomllib.TOMLDecodeError
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"config={path!r}: not valid {ext[1:].upper()}: {first}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config={path!r}: the file must hold a mapping of key: value")
+    return {key: _file_value(key, value, path) for key, value in _flatten(raw, path).items()}
+
+
+def _flatten(raw: dict, path: str) -> dict:
+    """Accept `block_size: 16` and `cache: {block_size: 16}` alike."""
+    flat: dict = {}
+    for key, value in raw.items():
+        name = normalize_key(key)
+        if name in SECTIONS and isinstance(value, dict):
+            for inner, inner_value in value.items():
+                inner_name = normalize_key(inner)
+                if FLAT_KEYS.get(inner_name, (None,))[0] != name:
+                    raise unknown_key_error(f"{key}.{inner}", inner_value, path)
+                flat[inner_name] = inner_value
+        elif name in FLAT_KEYS:
+            flat[name] = value
+        else:
+            raise unknown_key_error(key, value, path)
+    return flat
+
+
+def _file_value(key: str, value, path: str):
+    value = coerce(key, value, path)
+    if key in PATH_KEYS and isinstance(value, str):
+        value = os.path.expanduser(value)
+        value = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(path)), value))
+    return value
+
+
+def merge_settings(defaults: dict, config_path: str | None, flags: dict) -> dict:
+    """defaults < file < flags, as one flat dict. `flags` holds only the flags given."""
+    settings = dict(defaults)
+    if config_path:
+        settings.update(read_file(config_path))
+    for key, value in flags.items():
+        settings[key] = coerce(key, value, "--" + key.replace("_", "-"))
+    return settings
+
+
+def build_config(config_path: str | None = None, flags: dict | None = None,
+                 defaults: dict | None = None) -> EngineConfig:
+    """An EngineConfig from defaults, an optional file and flags (see merge_settings)."""
+    return engine_config_from_flat(**merge_settings(defaults or {}, config_path, flags or {}))
+
+
+# ------------------------------------------------------------- model-aware checks
+
+def read_model_arch(model: str | None, load_format: str = "auto"):
+    """(ArchConfig, source) from config.json or GGUF metadata, reading no weights."""
+    from jaxllm.models.gguf_loader import default_model_path
+    from jaxllm.models.loader import CheckpointError, read_hf_config
+    from jaxllm.models.registry import UnsupportedModelError, arch_from_hf_config
+    try:
+        path = model or default_model_path()
+        if path.endswith(".gguf") or load_format == "gguf":
+            return arch_from_hf_config(gguf_hf_config(path), path), path
+        if not os.path.isdir(path):
+            raise CheckpointError("no such folder")
+        source = os.path.join(path, "config.json")
+        return arch_from_hf_config(read_hf_config(path), source), source
+    except (CheckpointError, UnsupportedModelError, FileNotFoundError) as e:
+        raise ConfigError(f"model={model!r}: {e}; give an HF model folder (config.json + "
+                          "*.safetensors) or a .gguf file") from None
+
+
+# GGUF value type -> struct format (8 string, 9 array are read by hand).
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?",
+                 10: "Q", 11: "q", 12: "d"}
+
+
+def read_gguf_header(path: str) -> tuple[dict, list[str]]:
+    """(metadata, tensor names) of a little-endian GGUF v2/v3 file, without the
+    `gguf` package: its reader builds a numpy view per vocabulary string, which takes
+    seconds for a 49k-token vocabulary; this takes milliseconds."""
+    import mmap
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        pos = 0
+
+        def take(fmt):
+            nonlocal pos
+            (value,) = struct.unpack_from("<" + fmt, buf, pos)
+            pos += struct.calcsize(fmt)
+            return value
+
+        def string():
+            nonlocal pos
+            n = take("Q")
+            pos += n
+            return bytes(buf[pos - n:pos]).decode("utf-8", errors="replace")
+
+        def value(kind):
+            if kind == 8:
+                return string()
+            if kind == 9:
+                item, count = take("I"), take("Q")
+                return [value(item) for _ in range(count)]
+            return take(_GGUF_SCALARS[kind])
+
+        magic, version = struct.unpack_from("<4sI", buf, 0)
+        if magic != b"GGUF" or version not in (2, 3):
+            raise ValueError(f"{path}: not a GGUF v2/v3 file")
+        pos = 8
+        n_tensors, n_kv = take("Q"), take("Q")
+        meta = {}
+        for _ in range(n_kv):
+            key = string()
+            meta[key] = value(take("I"))
+        names = []
+        for _ in range(n_tensors):
+            names.append(string())
+            n_dims = take("I")
+            pos += 8 * n_dims + 4 + 8          # dims, type, offset
+    return meta, names
+
+
+def gguf_hf_config(path: str) -> dict:
+    """The HF-style config of a GGUF file, as `GGUFFile.hf_config` gives it."""
+    from types import SimpleNamespace
+    from jaxllm.models.gguf_loader import _GGUF_ARCH, GGUFFile, _hf_name
+    from jaxllm.models.loader import CheckpointError
+    from jaxllm.models.registry import UnsupportedModelError
+    try:
+        meta, names = read_gguf_header(path)
+    except (OSError, ValueError, KeyError, IndexError, struct.error) as e:
+        raise CheckpointError(f"{path}: not a readable GGUF file ({e})") from None
+    arch = meta.get("general.architecture")
+    if arch not in _GGUF_ARCH:
+        raise UnsupportedModelError(f"{path}: GGUF architecture {arch!r} is not supported "
+                                    f"(jaxllm reads {', '.join(sorted(_GGUF_ARCH))})")
+    header = SimpleNamespace(meta=meta, arch_name=arch,
+                             tensors={_hf_name(n) for n in names} - {None})
+    return GGUFFile.hf_config(header)
+
+
+def prepare_launch(config: EngineConfig):
+    """Everything to do before the weights load: the compile cache, then the checks
+    against the model's shape and the devices present. Returns the ArchConfig."""
+    from jaxllm import compilation_cache
+    compilation_cache.enable(config.compilation_cache_dir)
+    arch, source = read_model_arch(config.model.model, config.model.load_format)
+    check_against_model(config, arch, source)
+    import jax
+    available = len(jax.local_devices()) * config.parallel.num_processes
+    check_device_count(config, available)
+    return arch
