@@ -7,6 +7,7 @@ Prompts are random token ids sent as token-id prompts, so their lengths are exac
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -132,15 +133,13 @@ async def _benchmark(args, url, model, headers, requests):
     import httpx
     from tqdm import tqdm
     bar = tqdm(total=len(requests), disable=args.disable_tqdm, file=sys.stderr)
-    limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
-    timeout = httpx.Timeout(None, connect=30.0)
-    async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None)) as client:
+    limit = (asyncio.Semaphore(args.max_concurrency) if args.max_concurrency
+             else contextlib.nullcontext())
+    timeout, limits = httpx.Timeout(None, connect=30.0), httpx.Limits(max_connections=None)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
         async def one(request):
-            if limit is None:
+            async with limit:
                 result = await _send(client, url, model, headers, request, args.ignore_eos)
-            else:
-                async with limit:
-                    result = await _send(client, url, model, headers, request, args.ignore_eos)
             bar.update(1)
             return result
 

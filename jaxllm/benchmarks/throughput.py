@@ -2,6 +2,7 @@
 as `vllm bench throughput` reports them."""
 from __future__ import annotations
 
+import argparse
 import json
 import time
 
@@ -11,10 +12,9 @@ from jaxllm.benchmarks.datasets import (add_dataset_arguments, check_dataset_arg
 
 def add_arguments(p) -> None:
     add_dataset_arguments(p)
-    p.add_argument("--ignore-eos", action="store_true", default=True,
-                   help="generate exactly the output length of each request (default)")
-    p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
-                   help="stop at the end-of-sequence token")
+    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                   help="generate exactly each request's output length, as vLLM does "
+                        "(default: on)")
     p.add_argument("--n", type=int, default=1, help="completions per prompt (default: 1)")
     p.add_argument("--output-json", metavar="FILE", help="also write the results as JSON")
     p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")

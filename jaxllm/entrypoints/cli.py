@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(p)
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     p.add_argument("--prompts-file", metavar="FILE",
-                   help="one prompt a line; .jsonl: {\"prompt\": ...} or "
+                   help="one prompt a line; a .jsonl file: a string, {\"prompt\": ...} or "
                         "{\"prompt_token_ids\": [...]} a line; - = stdin")
     p.add_argument("--output", metavar="FILE", help="write the JSON lines here, not stdout")
     p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
@@ -159,10 +159,11 @@ def build_parser() -> argparse.ArgumentParser:
             ("throughput", throughput, "offline throughput of many requests at once"),
             ("serve", bench_serve, "online latency against a running server")):
         p = bench_sub.add_parser(name, help=desc, description=desc, allow_abbrev=False)
-        if module is not bench_serve:
+        uses_engine = module is not bench_serve    # bench serve is a client
+        if uses_engine:
             add_engine_args(p)
         module.add_arguments(p)
-        p.set_defaults(func=cmd_bench, bench_module=module)
+        p.set_defaults(func=cmd_bench, bench_module=module, uses_engine=uses_engine)
     return parser
 
 
@@ -253,7 +254,7 @@ def cmd_generate(args) -> int:
 
 
 def read_prompts(prompts: list[str], path: str | None) -> list:
-    """--prompt values, then the file's: text lines, or JSON lines for .jsonl/.json."""
+    """--prompt values, then the file's: text lines, or JSON lines for .jsonl."""
     items = list(prompts)
     if path:
         try:
@@ -262,7 +263,7 @@ def read_prompts(prompts: list[str], path: str | None) -> list:
             raise ConfigError(f"prompts_file={path!r}: cannot read it ({e.strerror})") from None
         with f:
             lines = [line.rstrip("\n") for line in f]
-        as_json = path.endswith((".jsonl", ".json"))
+        as_json = path.endswith(".jsonl")
         items += [_json_prompt(line, path, n) if as_json else line
                   for n, line in enumerate(lines, 1) if line.strip()]
     if not items:
@@ -314,7 +315,12 @@ def cmd_chat(args) -> int:
             messages = list(system)
         elif text:
             messages.append({"role": "user", "content": text})
-            reply = llm.chat(messages, params, use_tqdm=False)[0].outputs[0].text
+            try:
+                reply = llm.chat(messages, params, use_tqdm=False)[0].outputs[0].text
+            except ValueError as e:     # e.g. the conversation outgrew max_model_len
+                messages.pop()
+                print(f"jaxllm chat: {e} (/reset starts over)", file=sys.stderr)
+                continue
             messages.append({"role": "assistant", "content": reply})
             print(reply, flush=True)
     report_cache()
@@ -324,7 +330,7 @@ def cmd_chat(args) -> int:
 def cmd_bench(args) -> int:
     module = args.bench_module
     module.check_arguments(args)
-    if module.__name__.endswith(".serve"):
+    if not args.uses_engine:
         return module.run(args)
     config, arch = launch_config(args)
     llm = make_llm(config)

@@ -117,3 +117,23 @@ def test_real_process_exit_code_and_quick_help():
                  "--host", "--port", "--api-key", "--chat-template", "--load-format",
                  "--enforce-eager", "--compilation-cache-dir", "--config"):
         assert flag in out.stdout, flag
+
+
+def test_prompts_file_errors_name_the_line(capsys, tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "ok"}\n{"prompt": 3}\n')
+    code, err = run_cli(capsys, "generate", "--prompts-file", str(path), *NO_CACHE)
+    assert code == 2 and f"{path}:2: give a string" in one_line(err)
+    path.write_text('"ok"\nnot json\n')
+    code, err = run_cli(capsys, "generate", "--prompts-file", str(path), *NO_CACHE)
+    assert code == 2 and f"{path}:2: not JSON" in one_line(err)
+
+
+def test_prompts_from_flags_text_and_jsonl(tmp_path):
+    from jaxllm.entrypoints.cli import read_prompts
+    text = tmp_path / "p.txt"
+    text.write_text("first\n\n{not json}\n")
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_text('"a"\n{"prompt": "b"}\n{"prompt_token_ids": [1, 2]}\n')
+    assert read_prompts(["x"], str(text)) == ["x", "first", "{not json}"]
+    assert read_prompts([], str(jsonl)) == ["a", "b", {"prompt_token_ids": [1, 2]}]
