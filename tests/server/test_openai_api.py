@@ -282,17 +282,24 @@ def test_stats_log_line(client, caplog):
                for line in lines), lines
 
 
-def test_chat_template_file(async_engine, server_config, tmp_path):
+def test_chat_template_file(server_config, tmp_path):
+    """--chat-template FILE replaces the tokenizer's template (a second engine on the
+    same model: the compiled steps are shared, so it starts in about a second)."""
+    from jaxllm.engine.async_engine import AsyncLLMEngine
     template = tmp_path / "template.jinja"
     template.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n"
                         "{% endfor %}[assistant]")
     config = server_config.replace(
         model=dataclasses.replace(server_config.model, chat_template=str(template)))
-    with serve_in_background(build_app(async_engine, config)) as url:
-        tokens = httpx.post(f"{url}/tokenize", json={"messages": MESSAGES}).json()["tokens"]
-        rendered = "[system] be brief\n[user] hello world\n[assistant]"
-        assert httpx.post(f"{url}/detokenize", json={"tokens": tokens}).json() == \
-            {"prompt": rendered}
-        chat = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
-            "model": MODEL, "messages": MESSAGES, "max_tokens": 1, "temperature": 0}).json()
-        assert chat["usage"]["prompt_tokens"] == len(tokens)
+    engine = AsyncLLMEngine.from_config(config)
+    try:
+        with serve_in_background(build_app(engine, config)) as url:
+            tokens = httpx.post(f"{url}/tokenize", json={"messages": MESSAGES}).json()["tokens"]
+            rendered = "[system] be brief\n[user] hello world\n[assistant]"
+            assert httpx.post(f"{url}/detokenize", json={"tokens": tokens}).json() == \
+                {"prompt": rendered}
+            chat = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+                "model": MODEL, "messages": MESSAGES, "max_tokens": 1, "temperature": 0}).json()
+            assert chat["usage"]["prompt_tokens"] == len(tokens)
+    finally:
+        engine.shutdown()

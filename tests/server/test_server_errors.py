@@ -195,7 +195,7 @@ def test_engine_death_gives_503(async_engine, server_config):
         with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as r:
             assert r.status_code == 200
             lines = r.iter_lines()
-            while '"content": "a"' not in next(lines):   # the token before the failure
+            while '"content":"a"' not in next(lines):   # the token before the failure
                 pass
             dying.release.set()
             events = [line for line in lines if line]

@@ -44,10 +44,11 @@ def build_app(engine: AsyncLLMEngine, config: EngineConfig, *,
     llm = engine.engine
     # The engine thread decodes with its tokenizer; the event loop gets its own copy,
     # since a Rust tokenizer used from two threads can fail with "Already borrowed".
+    # The copy carries the chat template, --chat-template's if given (the engine loads it).
     tokenizer = copy.deepcopy(llm.tokenizer)
     names = config.model.served_model_name or (llm.model_name,)
     models = OpenAIServingModels(names, config.model.model or names[0], llm.max_model_len)
-    chat = OpenAIServingChat(engine, models, tokenizer, _read(config.model.chat_template))
+    chat = OpenAIServingChat(engine, models, tokenizer)
     completion = OpenAIServingCompletion(engine, models, tokenizer)
 
     def json_route(path: str, model: type, handler) -> Route:
@@ -168,13 +169,6 @@ class APIKeyMiddleware:
                 await error.response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)
-
-
-def _read(path: str | None) -> str | None:
-    if path is None:
-        return None
-    with open(path) as f:
-        return f.read()
 
 
 async def _read_json(request: Request):

@@ -12,19 +12,14 @@ from jaxllm.entrypoints.openai.serving_engine import (
 class OpenAIServingChat(OpenAIServing):
     id_prefix = "chatcmpl"
 
-    def __init__(self, engine, models, tokenizer, chat_template: str | None = None):
-        super().__init__(engine, models, tokenizer)
-        self.chat_template = chat_template   # None: the tokenizer's own
-
     def render(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Prompt token ids of a conversation, through the chat template."""
-        if self.chat_template is None and not getattr(self.tokenizer, "chat_template", None):
+        """Prompt token ids of a conversation, through the tokenizer's chat template."""
+        if not getattr(self.tokenizer, "chat_template", None):
             raise bad_request("The model has no chat template; start the server with "
                               "--chat-template FILE.", param="messages")
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                chat_template=self.chat_template)
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt)
         except Exception as e:  # noqa: BLE001 - a template may reject a conversation
             raise bad_request(f"The chat template failed on these messages: {e}",
                               param="messages") from e

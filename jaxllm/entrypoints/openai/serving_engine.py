@@ -174,7 +174,8 @@ class DeltaTracker:
 
 
 def sse(data: dict | str) -> str:
-    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    payload = data if isinstance(data, str) else json.dumps(
+        data, ensure_ascii=False, separators=(",", ":"))
     return f"data: {payload}\n\n"
 
 
