@@ -13,6 +13,7 @@ stays as it is.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -84,23 +85,53 @@ def _row_col_mask(mask, cols, d):
     return col_ok if mask is None else mask[:, None] & col_ok
 
 
-def kv_tile(bt_ref, k_ref, v_ref, seq, first, *, tile, block_size, d, dp, kv_mask_fn, dtype):
-    """Keys/values of tokens ``first .. first + tile`` of block-table row ``seq``.
-
-    Returns (kpos i32[K], kvalid bool[K] or None, k [K, Dp], v [K, Dp]) with k, v cast to
-    ``dtype`` (the query's, so fp8 feeds the dot as bf16). ``kv_mask_fn(kpos)`` is None
-    on the fast path (every key valid: no masks at all) or the valid-key mask.
-    """
+def tile_slots(bt_ref, seq, first, *, tile, block_size):
+    """Pool slots i32[K] of tokens ``first .. first + K`` of block-table row ``seq`` (the
+    column is clamped, so a tile past the row's end still reads in bounds)."""
     kpos = first + jnp.arange(tile)
     col = jnp.minimum(lax.div(kpos, block_size), bt_ref.shape[1] - 1)
-    kvalid = kv_mask_fn(kpos)
-    blk = bt_ref[seq, col]
-    slots = blk * block_size + lax.rem(kpos, block_size)
+    return bt_ref[seq, col] * block_size + lax.rem(kpos, block_size)
+
+
+def load_kv(k_ref, v_ref, slots, kvalid, *, d, dp, dtype):
+    """k, v [K, Dp] at ``slots``, cast to ``dtype`` (the query's, so fp8 feeds the dot as
+    bf16); keys where ``kvalid`` is False (None: all valid) read as 0."""
     if kvalid is not None:
         slots = jnp.where(kvalid, slots, 0)   # stale block ids past the end: never read
     k = load_rows(k_ref, slots, d, dp, kvalid).astype(dtype)
     v = load_rows(v_ref, slots, d, dp, kvalid).astype(dtype)
+    return k, v
+
+
+def kv_tile(bt_ref, k_ref, v_ref, seq, first, *, tile, block_size, d, dp, kv_mask_fn, dtype):
+    """Keys/values of tokens ``first .. first + tile`` of block-table row ``seq``.
+
+    Returns (kpos i32[K], kvalid bool[K] or None, k [K, Dp], v [K, Dp]).
+    ``kv_mask_fn(kpos)`` is None on the fast path (every key valid: no masks at all) or
+    the valid-key mask.
+    """
+    kpos = first + jnp.arange(tile)
+    kvalid = kv_mask_fn(kpos)
+    slots = tile_slots(bt_ref, seq, first, tile=tile, block_size=block_size)
+    k, v = load_kv(k_ref, v_ref, slots, kvalid, d=d, dp=dp, dtype=dtype)
     return kpos, kvalid, k, v
+
+
+def unmasked_loop(bt_ref, k_ref, v_ref, seq, start, end, q, carry, *, tile, block_size, d,
+                  dp, scale2):
+    """Online softmax over the unmasked steps ``start .. end``. The block-table lookup of
+    step i + 1 is issued in step i and carried, so the KV loads of a step depend on no
+    load of the same iteration and Triton's pipeliner can multi-buffer them."""
+    slots_of = functools.partial(tile_slots, bt_ref, seq, tile=tile, block_size=block_size)
+
+    def body(i, c):
+        slots, carry = c
+        k, v = load_kv(k_ref, v_ref, slots, None, d=d, dp=dp, dtype=q.dtype)
+        nxt = slots_of((i + 1) * tile)
+        return nxt, softmax_step(q, k, v, None, carry, scale2)
+
+    _, carry = lax.fori_loop(start, end, body, (slots_of(start * tile), carry))
+    return carry
 
 
 def softmax_step(q, k, v, mask, carry, scale2):

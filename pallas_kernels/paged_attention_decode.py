@@ -40,7 +40,7 @@ def ref_paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, *, s
 
 def default_k_splits(num_seqs, num_kv_heads, max_steps):
     """Enough programs for a few waves on the card, but >= 2 steps per split."""
-    want = common.next_pow2(common.cdiv(16 * NUM_SMS, num_seqs * num_kv_heads))
+    want = common.next_pow2(common.cdiv(8 * NUM_SMS, num_seqs * num_kv_heads))
     return max(1, min(want, max_steps // 2))
 
 
@@ -49,7 +49,7 @@ def default_k_splits(num_seqs, num_kv_heads, max_steps):
     "num_warps", "num_stages", "interpret"))
 def paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, *, sm_scale,
                            sliding_window=None, k_scale=1.0, v_scale=1.0,
-                           blocks_per_step=None, k_splits=None, num_warps=4, num_stages=2,
+                           blocks_per_step=None, k_splits=None, num_warps=4, num_stages=3,
                            interpret=False):
     """Same contract as ``ref_paged_attention_decode``; the rest are kernel settings."""
     num_seqs, hq, d = q.shape
@@ -57,7 +57,7 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, *, sm_sc
     g = hq // hkv
     gp, dp = max(16, common.next_pow2(g)), common.next_pow2(d)
     if blocks_per_step is None:
-        blocks_per_step = max(1, 128 // bs)
+        blocks_per_step = max(1, 64 // bs)
     tile = blocks_per_step * bs
     max_steps = common.cdiv(block_tables.shape[1] * bs, tile)
     ns = k_splits or default_k_splits(num_seqs, hkv, max_steps)
@@ -112,21 +112,20 @@ def _decode_kernel(bt_ref, lens_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, hq,
     # Steps fully inside [lo, kvlen) need no mask; only the last one is partial.
     full_end = start if window is not None else jnp.clip(lax.div(kvlen, tile), start, end)
 
-    def step(masked, i, carry):
+    def masked_step(i, carry):
         def kv_mask(kpos):
-            if not masked:
-                return None
             ok = kpos < kvlen
             return ok if window is None else ok & (kpos >= lo)
         _, kvalid, k, v = common.kv_tile(bt_ref, k_ref, v_ref, s, i * tile, tile=tile,
                                          block_size=bs, d=d, dp=dp, kv_mask_fn=kv_mask,
                                          dtype=q.dtype)
-        mask = None if kvalid is None else jnp.broadcast_to(kvalid[None, :], (gp, tile))
+        mask = jnp.broadcast_to(kvalid[None, :], (gp, tile))
         return common.softmax_step(q, k, v, mask, carry, scale2)
 
-    carry = common.init_carry(gp, dp)
-    carry = lax.fori_loop(start, full_end, functools.partial(step, False), carry)
-    m, l, acc = lax.fori_loop(full_end, end, functools.partial(step, True), carry)
+    carry = common.unmasked_loop(bt_ref, k_ref, v_ref, s, start, full_end, q,
+                                 common.init_carry(gp, dp), tile=tile, block_size=bs, d=d,
+                                 dp=dp, scale2=scale2)
+    m, l, acc = lax.fori_loop(full_end, end, masked_step, carry)
 
     l_safe = jnp.where(l == 0.0, 1.0, l)
     common.store_rows(o_ref, rows, acc * (v_scale / l_safe)[:, None], d, row_ok, lead=(split,))

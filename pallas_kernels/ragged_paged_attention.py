@@ -175,23 +175,18 @@ def _ragged_kernel(tiles_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, *, hq, g, gp, 
         full_end = start if window is not None else jnp.clip(lax.div(pos0 + 1, tile),
                                                              start, end)
 
-        def step(masked, i, carry):
-            def kv_mask(kpos):
-                if not masked:
-                    return None
-                return (kpos < hi) & (kpos >= lo)
+        def masked_step(i, carry):
             kpos, kvalid, k, v = common.kv_tile(
                 bt_ref, k_ref, v_ref, seq, i * tile, tile=tile, block_size=bs, d=d, dp=dp,
-                kv_mask_fn=kv_mask, dtype=q.dtype)
-            mask = None
-            if masked:
-                mask = kvalid[None, :] & (kpos[None, :] <= qpos[:, None])
-                if window is not None:
-                    mask &= kpos[None, :] > qpos[:, None] - window
+                kv_mask_fn=lambda kpos: (kpos < hi) & (kpos >= lo), dtype=q.dtype)
+            mask = kvalid[None, :] & (kpos[None, :] <= qpos[:, None])
+            if window is not None:
+                mask &= kpos[None, :] > qpos[:, None] - window
             return common.softmax_step(q, k, v, mask, carry, scale2)
 
-        carry = common.init_carry(block_q * gp, dp)
-        carry = lax.fori_loop(start, full_end, functools.partial(step, False), carry)
-        _, l, acc = lax.fori_loop(full_end, end, functools.partial(step, True), carry)
+        carry = common.unmasked_loop(bt_ref, k_ref, v_ref, seq, start, full_end, q,
+                                     common.init_carry(block_q * gp, dp), tile=tile,
+                                     block_size=bs, d=d, dp=dp, scale2=scale2)
+        _, l, acc = lax.fori_loop(full_end, end, masked_step, carry)
         out = acc * (v_scale / jnp.where(l == 0.0, 1.0, l))[:, None]
         common.store_rows(o_ref, rows, out, d, row_ok)
