@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import difflib
 import json
+import logging
 import sys
 
 from jaxllm.compilation_cache import DEFAULT_DIR
@@ -341,6 +342,11 @@ def cmd_bench(args) -> int:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if not logging.getLogger().handlers:      # the engine's start-up lines, on stderr
+        logging.basicConfig(level=logging.INFO,
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        if logging.getLogger("jax").level == logging.NOTSET:   # JAX_LOGGING_LEVEL wins
+            logging.getLogger("jax").setLevel(logging.WARNING)
     try:
         return args.func(args)
     except ConfigError as e:
