@@ -49,7 +49,7 @@ def default_k_splits(num_seqs, num_kv_heads, max_steps):
     "num_warps", "num_stages", "interpret"))
 def paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, *, sm_scale,
                            sliding_window=None, k_scale=1.0, v_scale=1.0,
-                           blocks_per_step=None, k_splits=None, num_warps=4, num_stages=3,
+                           blocks_per_step=None, k_splits=None, num_warps=4, num_stages=2,
                            interpret=False):
     """Same contract as ``ref_paged_attention_decode``; the rest are kernel settings."""
     num_seqs, hq, d = q.shape

@@ -123,7 +123,7 @@ def tile_schedule(query_start_loc, seq_lens, num_tokens, block_q):
     "num_warps", "num_stages", "interpret"))
 def ragged_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                            *, sm_scale, sliding_window=None, k_scale=1.0, v_scale=1.0,
-                           block_q=None, blocks_per_step=None, num_warps=8, num_stages=3,
+                           block_q=None, blocks_per_step=None, num_warps=4, num_stages=2,
                            interpret=False):
     """Same contract as ``ref_ragged_paged_attention``; the rest are kernel settings
     (block_q query tokens per program, blocks_per_step pool blocks per inner step)."""

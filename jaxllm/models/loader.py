@@ -251,7 +251,7 @@ def load_model(path: str | None, dtype_name: str = "auto", load_format: str = "a
 
     `shardings(path, logical_axes, shape)` -> jax Sharding; default: the first device.
     """
-    from jaxllm.models.gguf_loader import GGUFFile, default_model_path
+    from jaxllm.models.gguf_loader import default_model_path, open_gguf
     if shardings is None:
         dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         shardings = lambda p, axes, shape=None: dev  # noqa: E731
@@ -263,7 +263,7 @@ def load_model(path: str | None, dtype_name: str = "auto", load_format: str = "a
         raise CheckpointError(f"{path}: no such file or folder (give an HF model folder "
                               "with config.json, or a .gguf file)")
     if is_gguf:
-        gg = GGUFFile(path)
+        gg = open_gguf(path)
         hf = gg.hf_config()
         arch = arch_from_hf_config(hf, path)
         # GGUF weights are quantized: dequantize to float32 unless a dtype is asked.
@@ -286,10 +286,10 @@ def get_tokenizer(path: str | None, tokenizer: str | None = None,
 
     A folder with only config.json (a `--load-format dummy` shape) gets a placeholder
     when `vocab_size` is given: benchmarks feed token ids and need no real text."""
-    from jaxllm.models.gguf_loader import GGUFFile, default_model_path
+    from jaxllm.models.gguf_loader import default_model_path, open_gguf
     path = tokenizer or path or default_model_path()
     if path.endswith(".gguf"):
-        return GGUFFile(path).tokenizer()
+        return open_gguf(path).tokenizer()
     from transformers import AutoTokenizer
     if os.path.isdir(path) and not any(
             os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer.model")):
