@@ -10,7 +10,9 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
 
+from jaxllm.parallel.mesh import TP, tp_size
 from pallas_kernels.ragged_paged_attention import ref_ragged_paged_attention
 from pallas_kernels.reshape_and_cache import ref_reshape_and_cache
 
@@ -43,6 +45,9 @@ class AttentionSpec:
     k_scale: float = 1.0                # fp8 KV scales (per tensor)
     v_scale: float = 1.0
     interpret: bool = False             # pallas kernels in interpret mode (CPU tests)
+    # Tensor parallelism: attention runs per shard over this mesh's `tp` axis (None or
+    # a one-device mesh: unsharded). A Mesh is hashable, so the spec stays static.
+    mesh: Mesh | None = None
 
 
 def paged_attention(q, k, v, k_cache, v_cache, md: AttentionMetadata, spec: AttentionSpec):
@@ -51,6 +56,8 @@ def paged_attention(q, k, v, k_cache, v_cache, md: AttentionMetadata, spec: Atte
     q: [T, Hq, D]; k, v: [T, Hkv, D]; caches [Hkv, NB, BS, D].
     Returns (out [T, Hq, D], k_cache, v_cache).
     """
+    if tp_size(spec.mesh) > 1:
+        return _sharded(q, k, v, k_cache, v_cache, md, spec)
     if spec.backend == "pallas":
         return _pallas(q, k, v, k_cache, v_cache, md, spec)
     k_cache, v_cache = ref_reshape_and_cache(k, v, k_cache, v_cache, md.slot_mapping,
@@ -66,3 +73,26 @@ def _pallas(q, k, v, k_cache, v_cache, md, spec):
     # Imported lazily: the kernels module pulls in Pallas/Triton lowering machinery.
     from pallas_kernels import dispatch
     return dispatch.paged_attention(q, k, v, k_cache, v_cache, md, spec)
+
+
+def _sharded(q, k, v, k_cache, v_cache, md, spec):
+    """Attention per tensor-parallel shard (shard_map over `tp`): each device gets its
+    Hq / N query heads and the pool heads they read (parallel/mesh.py), and runs the
+    unsharded path on them; no collective is needed. k, v arrive split by KV head when
+    N divides Hkv; otherwise whole, and each device keeps the one head it uses."""
+    n, hkv = tp_size(spec.mesh), k.shape[1]
+    local_spec = dataclasses.replace(spec, mesh=None)
+    kv_split = hkv % n == 0
+
+    def local(q, k, v, k_cache, v_cache, md):
+        if not kv_split:
+            head = jax.lax.axis_index(TP) // (n // hkv)
+            k = jax.lax.dynamic_slice_in_dim(k, head, 1, axis=1)
+            v = jax.lax.dynamic_slice_in_dim(v, head, 1, axis=1)
+        return paged_attention(q, k, v, k_cache, v_cache, md, local_spec)
+
+    heads, kv = P(None, TP), (P(None, TP) if kv_split else P())
+    return jax.shard_map(
+        local, mesh=spec.mesh, in_specs=(heads, kv, kv, P(TP), P(TP), P()),
+        out_specs=(heads, P(TP), P(TP)), check_vma=False,
+    )(q, k, v, k_cache, v_cache, md)

@@ -2,13 +2,19 @@
 
 Tensor parallelism is a sharding choice: parameters carry logical axis names
 (models/llama.py) and this table maps them onto the mesh's ``tp`` axis; XLA inserts
-the collectives.
+the collectives. Attention runs per shard under ``shard_map`` (layers/attention.py).
+
+KV heads: with Hkv >= N devices each device holds Hkv / N of them. With Hkv < N (N a
+multiple of Hkv) each KV head is replicated on the N / Hkv devices whose query heads
+read it, as vLLM does: the pool is laid out with N heads, one per device.
 """
 from __future__ import annotations
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxllm.config import ConfigError
 
 TP = "tp"
 
@@ -26,12 +32,55 @@ SHARDING_RULES: dict[str, str | None] = {
 
 
 def make_mesh(tensor_parallel_size: int = 1, devices=None) -> Mesh:
-    devices = devices if devices is not None else jax.devices()
+    """A 1-D ``tp`` mesh. Across processes (jax.distributed) every process gives the
+    same number of its devices, in process order, so a process's shards are adjacent."""
+    if devices is None:
+        devices = _devices_per_process(tensor_parallel_size)
     if tensor_parallel_size > len(devices):
-        raise ValueError(
+        raise ConfigError(
             f"tensor_parallel_size={tensor_parallel_size} but only {len(devices)} "
             f"device(s) are visible; lower --tensor-parallel-size")
     return Mesh(np.array(devices[:tensor_parallel_size]), (TP,))
+
+
+def _devices_per_process(tp: int) -> list:
+    count = jax.process_count()
+    if count == 1:
+        return jax.devices()
+    if tp % count:
+        raise ConfigError(
+            f"tensor_parallel_size={tp} is not a multiple of num_processes={count}: "
+            "every process must hold the same number of shards")
+    by_proc = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    per = tp // count
+    chosen = []
+    for p in range(count):
+        mine = [d for d in by_proc if d.process_index == p]
+        if len(mine) < per:
+            raise ConfigError(
+                f"tensor_parallel_size={tp} over {count} processes needs {per} devices in "
+                f"each, but process {p} has {len(mine)}; lower --tensor-parallel-size")
+        chosen += mine[:per]
+    return chosen
+
+
+def tp_size(mesh: Mesh | None) -> int:
+    return 1 if mesh is None else mesh.shape[TP]
+
+
+def valid_tp_sizes(num_heads: int, num_kv_heads: int) -> list[int]:
+    """N splits the query heads evenly, and either splits the KV heads evenly or is a
+    multiple of them (so each device's query heads read exactly one KV head)."""
+    return [n for n in range(1, num_heads + 1)
+            if num_heads % n == 0 and (num_kv_heads % n == 0 or n % num_kv_heads == 0)]
+
+
+def validate_tp(num_heads: int, num_kv_heads: int, tp: int) -> None:
+    if tp not in valid_tp_sizes(num_heads, num_kv_heads):
+        fits = ", ".join(map(str, valid_tp_sizes(num_heads, num_kv_heads)))
+        raise ConfigError(
+            f"--tensor-parallel-size {tp} does not divide the model's {num_heads} query "
+            f"heads ({num_kv_heads} KV heads); use one of {fits}")
 
 
 def logical_spec(axes, shape=None, mesh: Mesh | None = None) -> P:
@@ -48,17 +97,22 @@ def logical_spec(axes, shape=None, mesh: Mesh | None = None) -> P:
 
 
 def param_shardings(mesh: Mesh):
-    """The loader's `shardings(path, logical_axes)` callback, needing the shape too:
-    returns a function (path, axes, shape=None) -> NamedSharding."""
+    """The loader's `shardings(path, logical_axes, shape)` callback."""
     def fn(path, axes, shape=None):
         return NamedSharding(mesh, logical_spec(axes, shape, mesh))
     return fn
 
 
-def kv_cache_sharding(mesh: Mesh, num_kv_heads: int) -> NamedSharding:
-    """KV pool [Hkv, NB, BS, D]: split by KV head when the mesh divides them."""
-    tp = mesh.shape[TP]
-    return NamedSharding(mesh, P(TP if num_kv_heads % tp == 0 else None))
+def pool_kv_heads(num_kv_heads: int, tp: int) -> int:
+    """Heads of the KV pool's leading axis: the model's, or one per device when the
+    devices outnumber them."""
+    return max(num_kv_heads, tp)
+
+
+def kv_cache_sharding(mesh: Mesh, num_kv_heads: int | None = None) -> NamedSharding:
+    """KV pool [pool_kv_heads, NB, BS, D], split by head: every device holds only the
+    heads its query heads read."""
+    return NamedSharding(mesh, P(TP))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

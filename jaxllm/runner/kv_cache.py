@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from jaxllm.config import CacheConfig, ConfigError
 from jaxllm.models.registry import ArchConfig
+from jaxllm.parallel.mesh import pool_kv_heads
 
 
 def cache_dtype(cache: CacheConfig, model_dtype):
@@ -46,9 +47,11 @@ def plan_num_blocks(arch: ArchConfig, cache: CacheConfig, model_dtype, max_model
     memory stats after a profiling step (None on CPU). Raises ConfigError, with the
     numbers and the knob to turn, when one max_model_len sequence does not fit."""
     dtype = cache_dtype(cache, model_dtype)
-    # A sharded pool spreads each block over the devices that hold KV heads.
-    shards = num_devices if arch.num_kv_heads % num_devices == 0 else 1
-    per_block = bytes_per_block(arch, cache.block_size, dtype) // shards
+    # Per device: the pool is split by head over the devices (parallel/mesh.py), each
+    # holding Hkv / N heads, or one when the devices outnumber the KV heads.
+    heads = pool_kv_heads(arch.num_kv_heads, num_devices)
+    per_block = bytes_per_block(arch, cache.block_size, dtype) * heads // (
+        arch.num_kv_heads * num_devices)
     if cache.num_gpu_blocks_override is not None:
         num_blocks = cache.num_gpu_blocks_override
         report = MemoryReport(device_limit or 0, weights_bytes, 0, per_block, num_blocks)
@@ -73,9 +76,11 @@ def plan_num_blocks(arch: ArchConfig, cache: CacheConfig, model_dtype, max_model
     return report
 
 
-def allocate(arch: ArchConfig, num_blocks: int, block_size: int, dtype, sharding=None):
-    """Zeroed pool: list over layers of (k, v) [Hkv, NB, BS, D], created on device."""
-    shape = (arch.num_kv_heads, num_blocks, block_size, arch.head_dim)
+def allocate(arch: ArchConfig, num_blocks: int, block_size: int, dtype, sharding=None,
+             tp: int = 1):
+    """Zeroed pool: list over layers of (k, v) [Hkv, NB, BS, D], created on device (with
+    `tp` devices: [max(Hkv, tp), ...] split by head, see parallel/mesh.py)."""
+    shape = (pool_kv_heads(arch.num_kv_heads, tp), num_blocks, block_size, arch.head_dim)
 
     def make():
         return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(arch.num_layers)]
