@@ -7,7 +7,7 @@
     python scripts/bench_tp.py --merge tp1.json tp2.json       # then the table
 
 Workloads (/work/shared/BENCHMARKS.md), both through `LLM.generate`, random token ids,
-temperature 1, ignore_eos:
+greedy (--temperature), ignore_eos:
   latency     batch 8, 32 in, 128 out, end to end; mean over --num-iters runs
   throughput  --num-prompts prompts (1000) of 1024 in, 128 out, all at once
 Each TP runs in its own process (fresh device memory, its own compiled steps) with
@@ -41,8 +41,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    choices=["latency", "throughput"])
     p.add_argument("--model", default=MODEL, help="HF folder (config.json is enough "
                    "with --load-format dummy); default: Llama-3.1-8B's shape")
-    p.add_argument("--tokenizer", help="default: the model's, else the embedded default "
-                   "model's (prompts are token ids; it only detokenizes)")
+    p.add_argument("--tokenizer", help="default: the model's (a placeholder for a "
+                   "config.json-only dummy shape; prompts are token ids)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (as scripts/bench_h200.py); vLLM's benches use 1.0")
     p.add_argument("--load-format", default="dummy")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--batch-size", type=int, default=8, help="latency: prompts (8)")
@@ -73,21 +75,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 # ------------------------------------------------------------------ one TP (child)
 
-def _tokenizer(args) -> str | None:
-    if args.tokenizer:
-        return args.tokenizer
-    has_own = any(os.path.exists(os.path.join(args.model, f))
-                  for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))
-    if has_own or args.model.endswith(".gguf"):
-        return None
-    from jaxllm.models.gguf_loader import default_model_path
-    return default_model_path()
-
-
 def _engine(args):
     from jaxllm import LLM
     return LLM(args.model, load_format=args.load_format, dtype=args.dtype,
-               tokenizer=_tokenizer(args), tensor_parallel_size=args.child,
+               tokenizer=args.tokenizer, tensor_parallel_size=args.child,
                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens,
                gpu_memory_utilization=args.gpu_memory_utilization,
@@ -99,15 +90,16 @@ def _prompts(rng, vocab: int, n: int, length: int) -> list[dict]:
     return [{"prompt_token_ids": ids.tolist()} for ids in rng.integers(0, vocab, (n, length))]
 
 
-def _params(max_tokens: int):
+def _params(args, max_tokens: int):
     from jaxllm.sampling_params import SamplingParams
-    return SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=max_tokens)
+    return SamplingParams(temperature=args.temperature, top_p=1.0, ignore_eos=True,
+                          max_tokens=max_tokens)
 
 
 def bench_latency(llm, args, rng) -> dict:
     prompts = _prompts(rng, llm.llm_engine.arch.vocab_size, args.batch_size,
                        args.latency_input_len)
-    params = _params(args.latency_output_len)
+    params = _params(args, args.latency_output_len)
 
     def once() -> float:
         start = time.perf_counter()
@@ -128,10 +120,10 @@ def bench_throughput(llm, args, rng) -> dict:
     # Untimed: a few requests through the same path (first-call host work, and any
     # step shape not compiled at warm-up under --enforce-eager).
     llm.generate(_prompts(rng, vocab, min(args.num_prompts, 16), args.input_len),
-                 _params(8), use_tqdm=False)
+                 _params(args, 8), use_tqdm=False)
     prompts = _prompts(rng, vocab, args.num_prompts, args.input_len)
     start = time.perf_counter()
-    outs = llm.generate(prompts, _params(args.output_len), use_tqdm=False)
+    outs = llm.generate(prompts, _params(args, args.output_len), use_tqdm=False)
     elapsed = time.perf_counter() - start
     out_tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
     in_tokens = args.num_prompts * args.input_len
