@@ -58,7 +58,34 @@ def bench_decode1(llm, vocab, args):
     params = SamplingParams(temperature=0, max_tokens=512, ignore_eos=True)
     timed_generate(llm, prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     t, outs = timed_generate(llm, prompts, params)
-    return {"output_tok_s": 512 / t, "seconds": t}
+    return {"output_tok_s": 512 / t, "seconds": t, **step_breakdown(llm)}
+
+
+def step_breakdown(llm, iters=50):
+    """Device time of one bare decode step (batch 1, context ~600, padded to the
+    smallest bucket) against the engine's whole step: the difference is host work."""
+    import jax
+    runner = llm.llm_engine.runner
+    s = runner.plan.seq_buckets[0]
+    arrays = dict(input_ids=np.zeros(s, np.int32), positions=np.full(s, 600, np.int32),
+                  slot_mapping=np.full(s, -1, np.int32),
+                  block_tables=np.zeros((s, runner.max_blocks_per_seq), np.int32),
+                  seq_lens=np.zeros(s, np.int32), query_start_loc=np.ones(s + 1, np.int32),
+                  logits_indices=np.zeros(s, np.int32))
+    arrays["seq_lens"][0] = 601
+    arrays["query_start_loc"][0] = 0
+    arrays["block_tables"][0, :38] = np.arange(1, 39)
+    jax.block_until_ready(runner._launch(arrays, True))
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        out = runner._launch(arrays, True)
+    jax.block_until_ready(out)
+    pipelined = (time.perf_counter() - t0) / iters
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        jax.block_until_ready(runner._launch(arrays, True))
+    synced = (time.perf_counter() - t0) / iters
+    return {"bare_step_ms_pipelined": 1000 * pipelined, "bare_step_ms_synced": 1000 * synced}
 
 
 def bench_throughput(llm, vocab, args):

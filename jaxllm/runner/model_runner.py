@@ -5,6 +5,8 @@ V vocab, L layers.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -17,7 +19,7 @@ from flax import nnx
 from jaxllm.config import EngineConfig
 from jaxllm.layers.attention import AttentionMetadata, AttentionSpec
 from jaxllm.models.loader import LoadedModel
-from jaxllm.parallel import mesh as mesh_lib
+from jaxllm.parallel import distributed, mesh as mesh_lib
 from jaxllm.runner import kv_cache
 from jaxllm.runner.buckets import BucketPlan
 from jaxllm.runner.sampler import SamplerFlags, SamplingMetadata, sample
@@ -34,8 +36,11 @@ class SampleResult:
     top_logprobs: list[float] | None = None
 
 
-def _forward(graphdef, state, kv_caches, input_ids, positions, md, logits_indices, spec):
-    model = nnx.merge(graphdef, state)
+def _forward(graphdef, treedef, spec, leaves, kv_caches, input_ids, positions, md,
+             logits_indices):
+    # The step takes the parameters as a flat list: flattening an NNX State and
+    # hashing a static graphdef on every call cost milliseconds of host time per step.
+    model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
     hidden, kv_caches = model(input_ids, positions, kv_caches, md, spec)
     logits = model.compute_logits(hidden[logits_indices])
     return logits, kv_caches
@@ -52,14 +57,22 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.plan = BucketPlan.build(max_num_batched_tokens, config.scheduler.max_num_seqs)
+        mesh_lib.validate_tp(self.arch.num_heads, self.arch.num_kv_heads, mesh.size)  # TP
         self.spec = AttentionSpec(
             sm_scale=self.arch.head_dim ** -0.5, backend=self._backend(),
-            sliding_window=self.arch.sliding_window)
+            sliding_window=self.arch.sliding_window, mesh=mesh)
         self.model_dtype = jax.tree.leaves(self.state)[0].dtype
         self.kv_caches = None
         self.num_blocks = 0
         self._replicated = mesh_lib.replicated(mesh)
-        self._step = jax.jit(_forward, static_argnums=(0, 7), donate_argnums=(2,))
+        # TP: logits come back gathered (the sampler reads whole rows), the pool stays
+        # split by KV head.
+        self._leaves, treedef = jax.tree.flatten(self.state)
+        self._step = jax.jit(functools.partial(_forward, self.graphdef, treedef, self.spec),
+                             donate_argnums=(1,),
+                             out_shardings=(self._replicated,
+                                            mesh_lib.kv_cache_sharding(mesh)))
+        self.leader = distributed.leader()   # multi-host: process 0 feeds the followers
         self._sample = jax.jit(sample, static_argnums=(2,))
 
     def _backend(self) -> str:
@@ -72,7 +85,7 @@ class ModelRunner:
     def initialize_kv_cache(self) -> kv_cache.MemoryReport:
         cache_cfg = self.config.cache
         weights = sum(x.nbytes for x in jax.tree.leaves(self.state))
-        dev = self.mesh.devices.flat[0]
+        dev = self.mesh.local_devices[0]
         stats = dev.memory_stats() if dev.platform == "gpu" else None
         peak = limit = None
         if stats and cache_cfg.num_gpu_blocks_override is None:
@@ -80,10 +93,12 @@ class ModelRunner:
         report = kv_cache.plan_num_blocks(
             self.arch, cache_cfg, self.model_dtype, self.max_model_len, weights, peak, limit,
             num_devices=self.mesh.size)
+        # Multi-host: one pool spans the processes, so all must size it alike.
+        report = dataclasses.replace(report, num_blocks=distributed.agree_min(report.num_blocks))
         dtype = kv_cache.cache_dtype(cache_cfg, self.model_dtype)
         sharding = mesh_lib.kv_cache_sharding(self.mesh, self.arch.num_kv_heads)
         self.kv_caches = kv_cache.allocate(self.arch, report.num_blocks, self.block_size,
-                                           dtype, sharding)
+                                           dtype, sharding, tp=self.mesh.size)
         self.num_blocks = report.num_blocks
         logger.info("KV cache: %s", report.describe(self.block_size))
         return report
@@ -92,10 +107,11 @@ class ModelRunner:
         """Peak device bytes of the largest step, with a minimal pool."""
         dtype = kv_cache.cache_dtype(self.config.cache, self.model_dtype)
         sharding = mesh_lib.kv_cache_sharding(self.mesh, self.arch.num_kv_heads)
-        self.kv_caches = kv_cache.allocate(self.arch, 2, self.block_size, dtype, sharding)
+        self.kv_caches = kv_cache.allocate(self.arch, 2, self.block_size, dtype, sharding,
+                                           tp=self.mesh.size)
         t, s = self.plan.token_buckets[-1], self.plan.max_seqs
         self._run_dummy(t, s, decode_only=False)
-        dev = self.mesh.devices.flat[0]
+        dev = self.mesh.local_devices[0]
         peak = dev.memory_stats().get("peak_bytes_in_use", 0)
         self.kv_caches = None
         return peak
@@ -141,8 +157,8 @@ class ModelRunner:
             seq_lens=arrays["seq_lens"], query_start_loc=arrays["query_start_loc"],
             decode_only=decode_only)
         logits, self.kv_caches = self._step(
-            self.graphdef, self.state, self.kv_caches, arrays["input_ids"],
-            arrays["positions"], md, arrays["logits_indices"], self.spec)
+            self._leaves, self.kv_caches, arrays["input_ids"],
+            arrays["positions"], md, arrays["logits_indices"])
         return logits
 
     def execute(self, scheduler_output, requests: dict, fallback_seeds: dict) -> dict:
@@ -152,6 +168,8 @@ class ModelRunner:
         if not scheduled:
             return {}
         arrays, decode_only, rows = self.prepare_inputs(scheduled)
+        if self.leader is not None:                 # multi-host: followers replay it
+            self.leader.send("step", arrays, decode_only)
         logits = self._launch(arrays, decode_only)
         reqs = [requests[r.request_id] for r in scheduled]
         md, flags = SamplingMetadata.from_params(
@@ -160,6 +178,8 @@ class ModelRunner:
             rows, self.arch.vocab_size,
             fallback_seeds=[fallback_seeds[q.request_id] for q in reqs],
             eos_token_ids=self._eos_ids())
+        if self.leader is not None:
+            self.leader.send("sample", md, flags)
         out = jax.device_get(self._sample(logits, md, flags))
         results = {}
         for i, r in enumerate(scheduled):
