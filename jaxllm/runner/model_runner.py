@@ -58,9 +58,12 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.plan = BucketPlan.build(max_num_batched_tokens, config.scheduler.max_num_seqs)
         mesh_lib.validate_tp(self.arch.num_heads, self.arch.num_kv_heads, mesh.size)  # TP
+        backend = self._backend()
         self.spec = AttentionSpec(
-            sm_scale=self.arch.head_dim ** -0.5, backend=self._backend(),
-            sliding_window=self.arch.sliding_window, mesh=mesh)
+            sm_scale=self.arch.head_dim ** -0.5, backend=backend,
+            sliding_window=self.arch.sliding_window, mesh=mesh,
+            # Pallas on a CPU runs its kernels through the interpreter (tests).
+            interpret=backend == "pallas" and jax.devices()[0].platform == "cpu")
         self.model_dtype = jax.tree.leaves(self.state)[0].dtype
         self.kv_caches = None
         self.num_blocks = 0

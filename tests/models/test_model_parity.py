@@ -83,12 +83,16 @@ def test_ragged_logits_match_hf(tiny_model, arch):
         assert err < 1e-4, (arch, i, err)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_continuation_matches_hf_generate(tiny_model, arch):
+@pytest.mark.parametrize("arch,backend", [(a, "reference") for a in ARCHS] +
+                         [("llama", "pallas"), ("qwen3", "pallas")])
+def test_greedy_continuation_matches_hf_generate(tiny_model, arch, backend):
+    """`pallas` runs the Pallas kernels in interpret mode (CPU)."""
     from jaxllm import LLM, SamplingParams
     folder, hf = tiny_model(arch)
     llm = LLM(folder, dtype="float32", max_model_len=128, max_num_seqs=4,
-              max_num_batched_tokens=64, enforce_eager=True, cpu_kv_cache_bytes=8 << 20)
+              max_num_batched_tokens=64, enforce_eager=True, cpu_kv_cache_bytes=8 << 20,
+              attention_backend=backend)
+    assert llm.llm_engine.runner.spec.backend == backend
     rng = np.random.default_rng(2)
     prompts = [rng.integers(0, TINY_VOCAB_OF(hf), n).tolist() for n in (5, 17, 40)]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
@@ -96,7 +100,8 @@ def test_greedy_continuation_matches_hf_generate(tiny_model, arch):
                         use_tqdm=False)
     for p, out in zip(prompts, outs):
         with torch.no_grad():
-            ref = hf.generate(torch.tensor([p]), max_new_tokens=32, min_new_tokens=32,
+            ref = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                              max_new_tokens=32, min_new_tokens=32,
                               do_sample=False, eos_token_id=None, pad_token_id=0)
         assert out.outputs[0].token_ids == ref[0, len(p):].tolist(), arch
 
