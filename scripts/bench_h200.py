@@ -140,7 +140,7 @@ def hf_peer(model_dir, vocab, args):
         torch.cuda.synchronize()
         res["latency_ms"] = 1000 * (time.perf_counter() - t0)
         if "sharegpt" in args.workloads:
-            res.update(hf_sharegpt(model, vocab))
+            res.update(hf_sharegpt(model, vocab, n=args.hf_sharegpt_requests))
     del model
     torch.cuda.empty_cache()
     return res
@@ -189,6 +189,7 @@ def main():
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--hf-peer", action="store_true")
+    ap.add_argument("--hf-sharegpt-requests", type=int, default=64)
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
     args.workloads = args.workloads.split(",")
@@ -215,6 +216,7 @@ def main():
             traceback.print_exc()
             results[name] = {"error": repr(e)[:300]}
         print(name, json.dumps(results[name]), flush=True)
+        save(results, args)     # after each workload: a run cut short keeps what it did
     if args.hf_peer:
         del llm
         try:
@@ -222,7 +224,11 @@ def main():
         except Exception as e:
             traceback.print_exc()
             results["hf"] = {"error": repr(e)[:300]}
+    save(results, args)
     print_table(results)
+
+
+def save(results, args):
     out = os.environ.get("OUT")
     if out:
         with open(os.path.join(out, f"bench_h200{args.tag}.json"), "w") as f:
