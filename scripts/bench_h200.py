@@ -189,16 +189,25 @@ def main():
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--hf-peer", action="store_true")
+    ap.add_argument("--hf-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--hf-sharegpt-requests", type=int, default=64)
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
     args.workloads = args.workloads.split(",")
+    if args.hf_only:
+        print(json.dumps(hf_peer(args.model, vocab_of(args.model), args)))
+        return
+    # The peer runs first, in its own process: JAX keeps the card's memory until exit,
+    # so HF after jaxllm in one process runs out of memory (seen on the H200).
+    hf = run_hf_peer_subprocess() if args.hf_peer else None
     import jax
     from jaxllm import LLM
     from jaxllm.models.loader import read_hf_config
     vocab = read_hf_config(args.model)["vocab_size"]
     results = {"model": args.model, "device": str(jax.devices()[0].device_kind),
                "tp": args.tensor_parallel_size, "tag": args.tag}
+    if hf is not None:
+        results["hf"] = hf
     t0 = time.perf_counter()
     llm = LLM(args.model, load_format="dummy", dtype="bfloat16",
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
@@ -217,13 +226,6 @@ def main():
             results[name] = {"error": repr(e)[:300]}
         print(name, json.dumps(results[name]), flush=True)
         save(results, args)     # after each workload: a run cut short keeps what it did
-    if args.hf_peer:
-        del llm
-        try:
-            results["hf"] = hf_peer(args.model, vocab, args)
-        except Exception as e:
-            traceback.print_exc()
-            results["hf"] = {"error": repr(e)[:300]}
     save(results, args)
     print_table(results)
 
@@ -233,6 +235,21 @@ def save(results, args):
     if out:
         with open(os.path.join(out, f"bench_h200{args.tag}.json"), "w") as f:
             json.dump(results, f, indent=1)
+
+
+def vocab_of(model_dir):
+    with open(os.path.join(model_dir, "config.json")) as f:
+        return json.load(f)["vocab_size"]
+
+
+def run_hf_peer_subprocess():
+    import subprocess
+    cmd = [sys.executable, *sys.argv, "--hf-only"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    try:
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        return {"error": proc.stderr[-300:]}
 
 
 def print_table(r):
