@@ -252,6 +252,10 @@ def prepare_launch(config: EngineConfig):
     arch, source = read_model_arch(config.model.model, config.model.load_format)
     check_against_model(config, arch, source)
     import jax
+
+    from jaxllm.parallel import distributed
+    distributed.check_config(config)
+    distributed.initialize(config.parallel)    # before any backend is touched
     available = len(jax.local_devices()) * config.parallel.num_processes
     check_device_count(config, available)
     return arch

@@ -205,7 +205,13 @@ def launch_config(args):
                               f"{flags['model']!r}); keep one")
         flags["model"] = args.model_path
     config = config_file.build_config(args.config, flags, LAUNCH_DEFAULTS)
-    return config, config_file.prepare_launch(config)
+    arch = config_file.prepare_launch(config)
+    if config.parallel.process_id != 0:
+        # Multi-host: processes other than 0 only follow the steps process 0 sends.
+        from jaxllm.parallel import distributed
+        distributed.run_follower(config)
+        raise SystemExit(0)
+    return config, arch
 
 
 def make_llm(config: EngineConfig):
