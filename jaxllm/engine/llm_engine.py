@@ -130,6 +130,8 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> None:
         params = params or SamplingParams()
+        if params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not supported by jaxllm yet; leave it unset")
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self._tokenize(prompt)

@@ -162,6 +162,18 @@ def test_prompt_too_long_is_rejected_with_vllm_wording(llama):
                                          "you requested 140 tokens"):
         llm.generate({"prompt_token_ids": [1] * 130}, SamplingParams(max_tokens=10))
     assert not llm.llm_engine.has_unfinished_requests()
+    with pytest.raises(ValueError, match="prompt_logprobs is not supported"):
+        llm.generate("hello", SamplingParams(prompt_logprobs=2))
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_kv_cache_too_small_fails_at_start_with_numbers(tiny_model):
+    from jaxllm.config import ConfigError
+    folder, _ = tiny_model("llama")
+    with pytest.raises(ConfigError, match=r"cannot hold one sequence of max_model_len=512 .*"
+                                          r"blocks available \d+.*raise cpu_kv_cache_bytes"):
+        LLM(folder, dtype="float32", max_model_len=512, cpu_kv_cache_bytes=64 << 10,
+            enforce_eager=True)
 
 
 def test_no_compilation_after_warm_up(tiny_model):
