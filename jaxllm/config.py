@@ -44,7 +44,7 @@ class CacheConfig:
     swap_space: float = 4.0           # GiB of host memory for swapped-out KV blocks
     enable_prefix_caching: bool = False
     # On CPU there is no device memory to profile: the KV pool gets this many bytes.
-    cpu_kv_cache_bytes: int = 256 << 20
+    cpu_kv_cache_bytes: int = 1 << 30
     num_gpu_blocks_override: int | None = None
 
     def __post_init__(self):

@@ -42,7 +42,7 @@ class MemoryReport:
 
 def plan_num_blocks(arch: ArchConfig, cache: CacheConfig, model_dtype, max_model_len: int,
                     weights_bytes: int, peak_bytes: int | None, device_limit: int | None,
-                    num_devices: int = 1) -> MemoryReport:
+                    num_devices: int = 1, max_num_seqs: int | None = None) -> MemoryReport:
     """How many KV blocks fit. `peak_bytes`/`device_limit` come from the device's
     memory stats after a profiling step (None on CPU). Raises ConfigError, with the
     numbers and the knob to turn, when one max_model_len sequence does not fit."""
@@ -57,6 +57,10 @@ def plan_num_blocks(arch: ArchConfig, cache: CacheConfig, model_dtype, max_model
         report = MemoryReport(device_limit or 0, weights_bytes, 0, per_block, num_blocks)
     elif device_limit is None:
         num_blocks = cache.cpu_kv_cache_bytes // per_block
+        if max_num_seqs is not None:
+            # No point holding more than max_num_seqs full sequences in host memory.
+            full = max_num_seqs * -(-max_model_len // cache.block_size) + 1
+            num_blocks = min(num_blocks, full)
         report = MemoryReport(cache.cpu_kv_cache_bytes, weights_bytes, 0, per_block, num_blocks)
     else:
         budget = int(device_limit * cache.gpu_memory_utilization) - (peak_bytes or 0)

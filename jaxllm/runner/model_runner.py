@@ -95,7 +95,7 @@ class ModelRunner:
             peak, limit = self._profile_peak(), stats.get("bytes_limit")
         report = kv_cache.plan_num_blocks(
             self.arch, cache_cfg, self.model_dtype, self.max_model_len, weights, peak, limit,
-            num_devices=self.mesh.size)
+            num_devices=self.mesh.size, max_num_seqs=self.config.scheduler.max_num_seqs)
         # Multi-host: one pool spans the processes, so all must size it alike.
         report = dataclasses.replace(report, num_blocks=distributed.agree_min(report.num_blocks))
         dtype = kv_cache.cache_dtype(cache_cfg, self.model_dtype)
