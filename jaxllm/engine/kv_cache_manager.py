@@ -67,7 +67,7 @@ class KVCacheManager:
         """Longest cached chain of full blocks, leaving >= 1 token to compute."""
         hit = CacheHit([], [])
         root = self._scope(req)
-        if root is None:
+        if root is None or _needs_prompt_logprobs(req):
             return hit
         self._update_block_hashes(req, root)
         # The last token must be computed so there are logits to sample from.
@@ -165,3 +165,10 @@ class KVCacheManager:
         self.req_blocks[req.request_id] = gpu
         self.cpu_free.extend(self.req_cpu_blocks.pop(req.request_id))
         return list(zip(cpu, gpu))
+
+
+def _needs_prompt_logprobs(req: Request) -> bool:
+    """A request asking for prompt logprobs computes its whole prompt once: cached
+    blocks would skip the positions it must score."""
+    return (getattr(req.sampling_params, "prompt_logprobs", None) is not None
+            and req.num_output_tokens == 0)

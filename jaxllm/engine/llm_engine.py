@@ -61,6 +61,7 @@ class _Group:
     params: SamplingParams
     samples: list[_Sample]
     metrics: RequestMetrics
+    prompt_logprobs: list | None = None   # vLLM's shape: None, then a dict per token
 
 
 class LLMEngine:
@@ -130,14 +131,15 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> None:
         params = params or SamplingParams()
-        if params.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not supported by jaxllm yet; leave it unset")
+        if params.prompt_logprobs is not None and self.config.parallel.num_processes > 1:
+            raise ValueError("prompt_logprobs is not supported across several processes")
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self._tokenize(prompt)
         self._validate_length(len(token_ids), params)
         now = time.time() if arrival_time is None else arrival_time
-        group = _Group(request_id, text, token_ids, params, [], RequestMetrics(now))
+        group = _Group(request_id, text, token_ids, params, [], RequestMetrics(now),
+                       [None] * len(token_ids) if params.prompt_logprobs is not None else None)
         for i in range(params.n):
             sid = request_id if params.n == 1 else f"{i}_{request_id}"
             # Sample i of a seeded request uses seed + i, as vLLM does.
@@ -218,6 +220,7 @@ class LLMEngine:
             m = self.groups[self._group_id(rid)].metrics
             m.first_scheduled_time = m.first_scheduled_time or now
         results = self.runner.execute(so, requests, seeds)
+        self._record_prompt_logprobs(self.runner.prompt_logprobs)
         updated = self.scheduler.update_from_output(
             so, {rid: r.token_id for rid, r in results.items()})
         touched: dict[str, _Group] = {}
@@ -231,6 +234,15 @@ class LLMEngine:
             touched[group.request_id] = group
         self.generation_tokens_total += len(updated)
         return [self._make_output(g) for g in touched.values()]
+
+    def _record_prompt_logprobs(self, per_request: dict) -> None:
+        for sid, rows in per_request.items():
+            group = self.groups[self._group_id(sid)]
+            k = group.params.prompt_logprobs
+            for pos, lp, rank, top_ids, top_lps in rows:
+                group.prompt_logprobs[pos] = make_logprobs_entry(
+                    group.prompt_token_ids[pos], lp, rank, top_ids, top_lps, k,
+                    self._decode_one)
 
     def _group_id(self, sample_id: str) -> str:
         req = self.samples[sample_id].request
@@ -270,7 +282,8 @@ class LLMEngine:
             for s in group.samples:
                 self.samples.pop(s.request.request_id, None)
         cached = max((s.request.num_cached_tokens for s in group.samples), default=0)
-        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, None, outs,
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids,
+                             group.prompt_logprobs, outs,
                              finished, num_cached_tokens=max(cached, 0),
                              metrics=dataclasses.replace(group.metrics))
 

@@ -22,7 +22,8 @@ from jaxllm.models.loader import LoadedModel
 from jaxllm.parallel import distributed, mesh as mesh_lib
 from jaxllm.runner import kv_cache
 from jaxllm.runner.buckets import BucketPlan
-from jaxllm.runner.sampler import SamplerFlags, SamplingMetadata, sample
+from jaxllm.runner.sampler import SamplerFlags, SamplingMetadata, compute_logprobs, sample
+from jaxllm.sampling_params import MAX_LOGPROBS
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,17 @@ def _forward(graphdef, treedef, spec, leaves, kv_caches, input_ids, positions, m
     return logits, kv_caches
 
 
+def _forward_prompt_logprobs(graphdef, treedef, spec, leaves, kv_caches, input_ids, positions,
+                             md, logits_indices, target_ids):
+    """The step, plus raw logprobs of every token's successor (prompt logprobs):
+    target_ids i32[T] -> (logprob [T], rank [T], top ids [T, K], top logprobs [T, K])."""
+    model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+    hidden, kv_caches = model(input_ids, positions, kv_caches, md, spec)
+    logits = model.compute_logits(hidden[logits_indices])
+    prompt = compute_logprobs(model.compute_logits(hidden), target_ids, MAX_LOGPROBS)
+    return logits, kv_caches, prompt
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, loaded: LoadedModel, mesh, max_model_len: int,
                  max_num_batched_tokens: int):
@@ -67,6 +79,7 @@ class ModelRunner:
         self.model_dtype = jax.tree.leaves(self.state)[0].dtype
         self.kv_caches = None
         self.num_blocks = 0
+        self.prompt_logprobs: dict = {}   # filled by execute() for prompt_logprobs requests
         self._replicated = mesh_lib.replicated(mesh)
         # TP: logits come back gathered (the sampler reads whole rows), the pool stays
         # split by KV head.
@@ -75,6 +88,10 @@ class ModelRunner:
                              donate_argnums=(1,),
                              out_shardings=(self._replicated,
                                             mesh_lib.kv_cache_sharding(mesh)))
+        # Compiled on first use, for the rare steps that carry prompt_logprobs requests.
+        self._step_prompt = jax.jit(
+            functools.partial(_forward_prompt_logprobs, self.graphdef, treedef, self.spec),
+            donate_argnums=(1,))
         self.leader = distributed.leader()   # multi-host: process 0 feeds the followers
         self._sample = jax.jit(sample, static_argnums=(2,))
 
@@ -153,15 +170,20 @@ class ModelRunner:
         return arrays, decode_only, s
 
     # ------------------------------------------------------------ execution
-    def _launch(self, arrays: dict, decode_only: bool):
+    def _launch(self, arrays: dict, decode_only: bool, prompt_targets=None):
+        if prompt_targets is not None:
+            arrays = dict(arrays, prompt_targets=prompt_targets)
         arrays = jax.device_put(arrays, self._replicated)   # one transfer
         md = AttentionMetadata(
             slot_mapping=arrays["slot_mapping"], block_tables=arrays["block_tables"],
             seq_lens=arrays["seq_lens"], query_start_loc=arrays["query_start_loc"],
             decode_only=decode_only)
-        logits, self.kv_caches = self._step(
-            self._leaves, self.kv_caches, arrays["input_ids"],
-            arrays["positions"], md, arrays["logits_indices"])
+        args = (arrays["input_ids"], arrays["positions"], md, arrays["logits_indices"])
+        if prompt_targets is not None:
+            logits, self.kv_caches, prompt = self._step_prompt(
+                self._leaves, self.kv_caches, *args, arrays["prompt_targets"])
+            return logits, prompt
+        logits, self.kv_caches = self._step(self._leaves, self.kv_caches, *args)
         return logits
 
     def execute(self, scheduler_output, requests: dict, fallback_seeds: dict) -> dict:
@@ -171,9 +193,14 @@ class ModelRunner:
         if not scheduled:
             return {}
         arrays, decode_only, rows = self.prepare_inputs(scheduled)
-        if self.leader is not None:                 # multi-host: followers replay it
-            self.leader.send("step", arrays, decode_only)
-        logits = self._launch(arrays, decode_only)
+        targets = self._prompt_targets(scheduled, requests, len(arrays["input_ids"]))
+        prompt_out = None
+        if targets is not None:
+            logits, prompt_out = self._launch(arrays, decode_only, targets)
+        else:
+            if self.leader is not None:             # multi-host: followers replay it
+                self.leader.send("step", arrays, decode_only)
+            logits = self._launch(arrays, decode_only)
         reqs = [requests[r.request_id] for r in scheduled]
         md, flags = SamplingMetadata.from_params(
             [q.sampling_params for q in reqs], [r.output_index for r in scheduled],
@@ -194,7 +221,47 @@ class ModelRunner:
                 res.top_ids = out.top_logprob_ids[i].tolist()
                 res.top_logprobs = out.top_logprobs[i].tolist()
             results[r.request_id] = res
+        if prompt_out is not None:
+            self.prompt_logprobs = self._split_prompt_logprobs(
+                scheduled, requests, jax.device_get(prompt_out))
         return results
+
+    def _prompt_targets(self, scheduled, requests, num_tokens):
+        """i32[T]: each prompt token's successor, for chunks of prompt_logprobs
+        requests; None when no scheduled chunk needs prompt logprobs."""
+        self.prompt_logprobs = {}
+        targets, off = None, 0
+        for r in scheduled:
+            req, n = requests[r.request_id], len(r.token_ids)
+            prompt = req.prompt_token_ids
+            if (req.sampling_params.prompt_logprobs is not None
+                    and r.num_computed_tokens < len(prompt) - 1):
+                if targets is None:
+                    targets = np.zeros(num_tokens, np.int32)
+                for j in range(n):
+                    pos = r.num_computed_tokens + j
+                    if pos + 1 < len(prompt):
+                        targets[off + j] = prompt[pos + 1]
+            off += n
+        return targets
+
+    def _split_prompt_logprobs(self, scheduled, requests, out):
+        """id -> [(position of the scored prompt token, logprob, rank, top ids, top lps)]."""
+        logprob, rank, top_ids, top_lps = out
+        res, off = {}, 0
+        for r in scheduled:
+            req, n = requests[r.request_id], len(r.token_ids)
+            if req.sampling_params.prompt_logprobs is not None:
+                rows = []
+                for j in range(n):
+                    pos = r.num_computed_tokens + j + 1
+                    if pos < len(req.prompt_token_ids):
+                        t = off + j
+                        rows.append((pos, float(logprob[t]), int(rank[t]),
+                                     top_ids[t].tolist(), top_lps[t].tolist()))
+                res[r.request_id] = rows
+            off += n
+        return res
 
     def _eos_ids(self) -> tuple[int, ...]:
         return self.arch.eos_token_id

@@ -162,9 +162,28 @@ def test_prompt_too_long_is_rejected_with_vllm_wording(llama):
                                          "you requested 140 tokens"):
         llm.generate({"prompt_token_ids": [1] * 130}, SamplingParams(max_tokens=10))
     assert not llm.llm_engine.has_unfinished_requests()
-    with pytest.raises(ValueError, match="prompt_logprobs is not supported"):
-        llm.generate("hello", SamplingParams(prompt_logprobs=2))
-    assert not llm.llm_engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("engine_args", [
+    dict(), dict(max_num_batched_tokens=16, enable_prefix_caching=True)],
+    ids=["whole", "chunked-with-prefix-cache"])
+def test_prompt_logprobs_match_hf(llama, engine_args):
+    folder, hf, _ = llama
+    llm = LLM(folder, enforce_eager=True, **{**ENGINE, **engine_args})
+    prompt = np.random.default_rng(4).integers(0, hf.config.vocab_size, 40).tolist()
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3)
+    llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)   # fills any cache
+    out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].double(), -1).numpy()
+    got = out.prompt_logprobs
+    assert len(got) == len(prompt) and got[0] is None
+    for pos in range(1, len(prompt)):
+        entry, row = got[pos], ref[pos - 1]
+        assert abs(entry[prompt[pos]].logprob - row[prompt[pos]]) < 1e-4
+        assert entry[prompt[pos]].rank == int((row >= row[prompt[pos]]).sum())
+        top = np.argsort(-row)[:3]
+        assert set(top.tolist()) <= set(entry)
 
 
 def test_kv_cache_too_small_fails_at_start_with_numbers(tiny_model):
