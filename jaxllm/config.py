@@ -195,12 +195,18 @@ def check_against_model(config: EngineConfig, arch, source: str = "the model") -
             f"max_num_batched_tokens to {max_len}, lower max_model_len, or turn on "
             "enable_chunked_prefill")
     tp, heads, kv_heads = config.parallel.tensor_parallel_size, arch.num_heads, arch.num_kv_heads
-    fits = [n for n in range(1, heads + 1)
-            if heads % n == 0 and (kv_heads % n == 0 or n % kv_heads == 0)]
+    fits = valid_tp_sizes(heads, kv_heads)
     if tp not in fits:
         raise ConfigError(
             f"tensor_parallel_size={tp} does not divide the model's {heads} query heads "
             f"and {kv_heads} KV heads ({source}); use one of {', '.join(map(str, fits))}")
+
+
+def valid_tp_sizes(num_heads: int, num_kv_heads: int) -> list[int]:
+    """N splits the query heads evenly, and either splits the KV heads evenly or is a
+    multiple of them (so each device's query heads read exactly one KV head)."""
+    return [n for n in range(1, num_heads + 1)
+            if num_heads % n == 0 and (num_kv_heads % n == 0 or n % num_kv_heads == 0)]
 
 
 def check_device_count(config: EngineConfig, available: int) -> None:

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxllm.config import ConfigError
+from jaxllm.config import ConfigError, valid_tp_sizes
 
 TP = "tp"
 
@@ -66,13 +66,6 @@ def _devices_per_process(tp: int) -> list:
 
 def tp_size(mesh: Mesh | None) -> int:
     return 1 if mesh is None else mesh.shape[TP]
-
-
-def valid_tp_sizes(num_heads: int, num_kv_heads: int) -> list[int]:
-    """N splits the query heads evenly, and either splits the KV heads evenly or is a
-    multiple of them (so each device's query heads read exactly one KV head)."""
-    return [n for n in range(1, num_heads + 1)
-            if num_heads % n == 0 and (num_kv_heads % n == 0 or n % num_kv_heads == 0)]
 
 
 def validate_tp(num_heads: int, num_kv_heads: int, tp: int) -> None:
