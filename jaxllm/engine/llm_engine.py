@@ -329,7 +329,13 @@ def _max_batched(config: EngineConfig, max_model_len: int) -> int:
 def _num_cpu_blocks(config: EngineConfig, runner) -> int:
     if config.scheduler.preemption_mode != "swap" or config.cache.swap_space == 0:
         return 0
+    from jaxllm.parallel.mesh import pool_kv_heads
     from jaxllm.runner.kv_cache import bytes_per_block, cache_dtype
-    per_block = bytes_per_block(runner.arch, config.cache.block_size,
+    arch = runner.arch
+    per_block = bytes_per_block(arch, config.cache.block_size,
                                 cache_dtype(config.cache, runner.model_dtype))
+    # The host copy mirrors the pool, which holds one head per device when devices
+    # outnumber KV heads.
+    per_block = per_block * pool_kv_heads(arch.num_kv_heads, runner.mesh.size) \
+        // arch.num_kv_heads
     return int(config.cache.swap_space * (1 << 30)) // per_block
