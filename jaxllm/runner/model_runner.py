@@ -38,22 +38,16 @@ class SampleResult:
 
 
 def _forward(graphdef, treedef, spec, leaves, kv_caches, input_ids, positions, md,
-             logits_indices):
+             logits_indices, target_ids=None):
+    """One step. With target_ids i32[T] (each token's successor) it also returns the raw
+    prompt logprobs (logprob [T], rank [T], top ids [T, K], top logprobs [T, K])."""
     # The step takes the parameters as a flat list: flattening an NNX State and
     # hashing a static graphdef on every call cost milliseconds of host time per step.
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
     hidden, kv_caches = model(input_ids, positions, kv_caches, md, spec)
     logits = model.compute_logits(hidden[logits_indices])
-    return logits, kv_caches
-
-
-def _forward_prompt_logprobs(graphdef, treedef, spec, leaves, kv_caches, input_ids, positions,
-                             md, logits_indices, target_ids):
-    """The step, plus raw logprobs of every token's successor (prompt logprobs):
-    target_ids i32[T] -> (logprob [T], rank [T], top ids [T, K], top logprobs [T, K])."""
-    model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
-    hidden, kv_caches = model(input_ids, positions, kv_caches, md, spec)
-    logits = model.compute_logits(hidden[logits_indices])
+    if target_ids is None:
+        return logits, kv_caches
     prompt = compute_logprobs(model.compute_logits(hidden), target_ids, MAX_LOGPROBS)
     return logits, kv_caches, prompt
 
@@ -90,8 +84,7 @@ class ModelRunner:
                                             mesh_lib.kv_cache_sharding(mesh)))
         # Compiled on first use, for the rare steps that carry prompt_logprobs requests.
         self._step_prompt = jax.jit(
-            functools.partial(_forward_prompt_logprobs, self.graphdef, treedef, self.spec),
-            donate_argnums=(1,))
+            functools.partial(_forward, self.graphdef, treedef, self.spec), donate_argnums=(1,))
         self.leader = distributed.leader()   # multi-host: process 0 feeds the followers
         self._sample = jax.jit(sample, static_argnums=(2,))
 
@@ -190,6 +183,7 @@ class ModelRunner:
         """Run one step. `requests` maps id -> Request; returns id -> SampleResult for
         the requests whose chunk reached the end of their known tokens."""
         scheduled = scheduler_output.scheduled
+        self.prompt_logprobs = {}
         if not scheduled:
             return {}
         arrays, decode_only, rows = self.prepare_inputs(scheduled)
@@ -229,7 +223,6 @@ class ModelRunner:
     def _prompt_targets(self, scheduled, requests, num_tokens):
         """i32[T]: each prompt token's successor, for chunks of prompt_logprobs
         requests; None when no scheduled chunk needs prompt logprobs."""
-        self.prompt_logprobs = {}
         targets, off = None, 0
         for r in scheduled:
             req, n = requests[r.request_id], len(r.token_ids)
@@ -329,7 +322,6 @@ def _sampler_variants():
     """The variants warmed up: greedy or random, with or without top-k/p/min-p, with
     or without logprobs. Penalty variants depend on token-list widths and compile on
     first use."""
-    from jaxllm.sampling_params import MAX_LOGPROBS
     out = []
     for lp in (0, MAX_LOGPROBS):
         out.append(SamplerFlags(False, False, lp, True))
@@ -339,7 +331,6 @@ def _sampler_variants():
 
 
 def _dummy_sampling_md(rows: int) -> SamplingMetadata:
-    from jaxllm.sampling_params import SamplingParams
     md, _ = SamplingMetadata.from_params(
         [], [], [], [], rows, 2, fallback_seeds=[])
     return md

@@ -38,14 +38,13 @@ def ragged_step(model, kv, steps, tables, spec):
     return np.asarray(logits), kv
 
 
-@jax.jit
 def _forward(graphdef, state, kv, ids, pos, md, spec):
     model = nnx.merge(graphdef, state)
     hidden, kv = model(ids, pos, kv, md, spec)
     return model.compute_logits(hidden), kv
 
 
-_jitted_forward = jax.jit(_forward.__wrapped__, static_argnums=(0, 6))
+_jitted_forward = jax.jit(_forward, static_argnums=(0, 6))
 
 
 def nan_pool(arch, num_blocks):
@@ -94,7 +93,7 @@ def test_greedy_continuation_matches_hf_generate(tiny_model, arch, backend):
               attention_backend=backend)
     assert llm.llm_engine.runner.spec.backend == backend
     rng = np.random.default_rng(2)
-    prompts = [rng.integers(0, TINY_VOCAB_OF(hf), n).tolist() for n in (5, 17, 40)]
+    prompts = [rng.integers(0, hf.config.vocab_size, n).tolist() for n in (5, 17, 40)]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=32, ignore_eos=True),
                         use_tqdm=False)
@@ -105,6 +104,3 @@ def test_greedy_continuation_matches_hf_generate(tiny_model, arch, backend):
                               do_sample=False, eos_token_id=None, pad_token_id=0)
         assert out.outputs[0].token_ids == ref[0, len(p):].tolist(), arch
 
-
-def TINY_VOCAB_OF(hf):
-    return hf.config.vocab_size
