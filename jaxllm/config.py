@@ -194,12 +194,17 @@ def check_against_model(config: EngineConfig, arch, source: str = "the model") -
             "chunked prefill off, so a full-length prompt could never be scheduled; raise "
             f"max_num_batched_tokens to {max_len}, lower max_model_len, or turn on "
             "enable_chunked_prefill")
-    tp, heads, kv_heads = config.parallel.tensor_parallel_size, arch.num_heads, arch.num_kv_heads
+    check_tp(config.parallel.tensor_parallel_size, arch.num_heads, arch.num_kv_heads, source)
+
+
+def check_tp(tp: int, heads: int, kv_heads: int, source: str = "the model") -> None:
+    """The one tensor-parallel size rule, for the launcher and the runner alike."""
     fits = valid_tp_sizes(heads, kv_heads)
     if tp not in fits:
         raise ConfigError(
-            f"tensor_parallel_size={tp} does not divide the model's {heads} query heads "
-            f"and {kv_heads} KV heads ({source}); use one of {', '.join(map(str, fits))}")
+            f"tensor_parallel_size={tp}: --tensor-parallel-size {tp} does not divide the "
+            f"model's {heads} query heads and {kv_heads} KV heads "
+            f"({source}); use one of {', '.join(map(str, fits))}")
 
 
 def valid_tp_sizes(num_heads: int, num_kv_heads: int) -> list[int]:

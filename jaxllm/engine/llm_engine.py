@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass
 from typing import Iterable
 
-from jaxllm.config import ConfigError, EngineConfig
+from jaxllm.config import EngineConfig, check_against_model, effective_max_model_len
 from jaxllm.engine.detokenizer import IncrementalDetokenizer
 from jaxllm.engine.request import Request, RequestStatus
 from jaxllm.engine.scheduler import Scheduler
@@ -87,7 +87,9 @@ class LLMEngine:
         if mc.chat_template:
             with open(mc.chat_template) as f:
                 self.tokenizer.chat_template = f.read()
-        self.max_model_len = _max_model_len(mc.max_model_len, self.arch.max_position_embeddings)
+        # The same checks the CLI runs before loading (context length, batch budget, TP).
+        check_against_model(config, self.arch, loaded.source)
+        self.max_model_len = effective_max_model_len(config, self.arch)
         self.max_num_batched_tokens = _max_batched(config, self.max_model_len)
         self.runner = ModelRunner(config, loaded, self.mesh, self.max_model_len,
                                   self.max_num_batched_tokens)
@@ -304,25 +306,10 @@ class LLMEngine:
             num_total_blocks=total)
 
 
-def _max_model_len(asked: int | None, model_max: int) -> int:
-    if asked is None:
-        return model_max
-    if asked > model_max:
-        raise ConfigError(f"max_model_len={asked} is above the model's context length "
-                          f"{model_max}; lower --max-model-len")
-    return asked
-
-
 def _max_batched(config: EngineConfig, max_model_len: int) -> int:
     sc = config.scheduler
     if sc.max_num_batched_tokens is not None:
-        n = sc.max_num_batched_tokens
-        if not sc.enable_chunked_prefill and n < max_model_len:
-            raise ConfigError(
-                f"max_num_batched_tokens={n} is below max_model_len={max_model_len} with "
-                "chunked prefill off: a long prompt could never be scheduled; raise "
-                "--max-num-batched-tokens or pass --enable-chunked-prefill")
-        return n
+        return sc.max_num_batched_tokens
     return 2048 if sc.enable_chunked_prefill else max(max_model_len, 2048)
 
 

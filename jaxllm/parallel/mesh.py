@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxllm.config import ConfigError, valid_tp_sizes
+from jaxllm.config import ConfigError, check_tp, valid_tp_sizes  # noqa: F401 (re-exported)
 
 TP = "tp"
 
@@ -69,11 +69,7 @@ def tp_size(mesh: Mesh | None) -> int:
 
 
 def validate_tp(num_heads: int, num_kv_heads: int, tp: int) -> None:
-    if tp not in valid_tp_sizes(num_heads, num_kv_heads):
-        fits = ", ".join(map(str, valid_tp_sizes(num_heads, num_kv_heads)))
-        raise ConfigError(
-            f"--tensor-parallel-size {tp} does not divide the model's {num_heads} query "
-            f"heads ({num_kv_heads} KV heads); use one of {fits}")
+    check_tp(tp, num_heads, num_kv_heads)
 
 
 def logical_spec(axes, shape=None, mesh: Mesh | None = None) -> P:
