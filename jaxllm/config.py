@@ -71,6 +71,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int | None = None  # None = derived from max_model_len
     enable_chunked_prefill: bool = True
     preemption_mode: str = "recompute"         # recompute | swap
+    # Schedule and prepare step N+1 while step N runs on the device; sampled tokens
+    # are fed back on the device (vLLM's --async-scheduling, on by default here).
+    async_scheduling: bool = True
 
     def __post_init__(self):
         if self.max_num_seqs < 1:

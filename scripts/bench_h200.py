@@ -61,31 +61,19 @@ def bench_decode1(llm, vocab, args):
     return {"output_tok_s": 512 / t, "seconds": t, **step_breakdown(llm)}
 
 
-def step_breakdown(llm, iters=50):
+def step_breakdown(llm):
     """Device time of one bare decode step (batch 1, context ~600, padded to the
     smallest bucket) against the engine's whole step: the difference is host work."""
-    import jax
+    import step_profile
     runner = llm.llm_engine.runner
-    s = runner.plan.seq_buckets[0]
-    arrays = dict(input_ids=np.zeros(s, np.int32), positions=np.full(s, 600, np.int32),
-                  slot_mapping=np.full(s, -1, np.int32),
-                  block_tables=np.zeros((s, runner.max_blocks_per_seq), np.int32),
-                  seq_lens=np.zeros(s, np.int32), query_start_loc=np.ones(s + 1, np.int32),
-                  logits_indices=np.zeros(s, np.int32))
-    arrays["seq_lens"][0] = 601
-    arrays["query_start_loc"][0] = 0
-    arrays["block_tables"][0, :38] = np.arange(1, 39)
-    jax.block_until_ready(runner._launch(arrays, True))
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        out = runner._launch(arrays, True)
-    jax.block_until_ready(out)
-    pipelined = (time.perf_counter() - t0) / iters
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        jax.block_until_ready(runner._launch(arrays, True))
-    synced = (time.perf_counter() - t0) / iters
-    return {"bare_step_ms_pipelined": 1000 * pipelined, "bare_step_ms_synced": 1000 * synced}
+    arrays, decode_only = step_profile.step_arrays(runner, 1, 600)
+    t = step_profile.time_steps(runner, arrays, decode_only, iters=50)
+    return {"bare_step_ms_pipelined": t["step_ms_queued"], "bare_step_ms_synced": t["step_ms_synced"]}
+
+
+# Bare steps profiled with --profile: label -> (batch, context, new tokens per sequence).
+PROFILE_SHAPES = {"decode b1 ctx600": (1, 600, 1), "decode b8 ctx100": (8, 100, 1),
+                  "decode b256 ctx1100": (256, 1100, 1), "prefill 4x1024": (4, 0, 1024)}
 
 
 def bench_throughput(llm, vocab, args):
@@ -192,6 +180,14 @@ def main():
     ap.add_argument("--hf-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--hf-sharegpt-requests", type=int, default=64)
     ap.add_argument("--tag", default="")
+    ap.add_argument("--no-async-scheduling", action="store_true")
+    ap.add_argument("--profile", action="store_true",
+                    help="time and trace bare steps (PROFILE_SHAPES) after the workloads")
+    ap.add_argument("--compile-cache", metavar="DIR",
+                    help="persistent compilation cache (cold start fills it)")
+    ap.add_argument("--warm-restart", action="store_true",
+                    help="after the run, start the engine again in a new process on the cache")
+    ap.add_argument("--startup-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.workloads = args.workloads.split(",")
     if args.hf_only:
@@ -199,10 +195,11 @@ def main():
         return
     # The peer runs first, in its own process: JAX keeps the card's memory until exit,
     # so HF after jaxllm in one process runs out of memory (seen on the H200).
-    hf = run_hf_peer_subprocess() if args.hf_peer else None
+    hf = run_hf_peer_subprocess() if args.hf_peer and not args.startup_only else None
     import jax
-    from jaxllm import LLM
+    from jaxllm import LLM, compilation_cache
     from jaxllm.models.loader import read_hf_config
+    compilation_cache.enable(args.compile_cache)
     vocab = read_hf_config(args.model)["vocab_size"]
     results = {"model": args.model, "device": str(jax.devices()[0].device_kind),
                "tp": args.tensor_parallel_size, "tag": args.tag}
@@ -213,8 +210,15 @@ def main():
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens,
               attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
-              tensor_parallel_size=args.tensor_parallel_size)
+              tensor_parallel_size=args.tensor_parallel_size,
+              async_scheduling=not args.no_async_scheduling)
     results["startup_s"] = time.perf_counter() - t0
+    results["startup_breakdown"] = llm.llm_engine.startup_breakdown
+    results["compile_cache"] = compilation_cache.summary()
+    if args.startup_only:
+        print(json.dumps({k: results[k] for k in ("startup_s", "startup_breakdown",
+                                                  "compile_cache")}))
+        return
     results["kv_blocks"] = llm.llm_engine.runner.num_blocks
     results["backend"] = llm.llm_engine.runner.spec.backend
     print(f"engine up in {results['startup_s']:.1f} s, {results['kv_blocks']} blocks", flush=True)
@@ -226,6 +230,14 @@ def main():
             results[name] = {"error": repr(e)[:300]}
         print(name, json.dumps(results[name]), flush=True)
         save(results, args)     # after each workload: a run cut short keeps what it did
+    if args.profile:
+        import step_profile
+        results["profile"] = step_profile.run_all(llm.llm_engine.runner, PROFILE_SHAPES)
+        save(results, args)
+    if args.warm_restart:
+        del llm
+        results["warm_restart"] = run_subprocess(["--startup-only"])
+        print("warm restart", json.dumps(results["warm_restart"]), flush=True)
     save(results, args)
     print_table(results)
 
@@ -243,8 +255,13 @@ def vocab_of(model_dir):
 
 
 def run_hf_peer_subprocess():
+    return run_subprocess(["--hf-only"])
+
+
+def run_subprocess(extra):
+    """This script again in a new process with `extra` flags; its last stdout line."""
     import subprocess
-    cmd = [sys.executable, *sys.argv, "--hf-only"]
+    cmd = [sys.executable, *sys.argv, *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     try:
         return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -254,7 +271,9 @@ def run_hf_peer_subprocess():
 
 def print_table(r):
     print(f"\n== {r['model']} on {r['device']} TP={r['tp']} backend={r.get('backend')} "
-          f"start-up {r['startup_s']:.1f} s")
+          f"start-up {r['startup_s']:.1f} s {r.get('startup_breakdown')}")
+    if "warm_restart" in r:
+        print(f"warm restart: {r['warm_restart']}")
     hf = r.get("hf", {})
     rows = [
         ("latency", "latency_ms_median", "ms", hf.get("latency_ms")),

@@ -5,9 +5,11 @@ full blocks in one global namespace. With it off, only the n samples of one prom
 (same ``parent_id``) share, in a namespace seeded by the parent id, so siblings
 reuse the prompt's full blocks without copies and nothing leaks across requests.
 
-Blocks are registered in the cache only once their KV is computed (after the
-step, in ``cache_blocks``), never at allocation: a hit is then always valid KV,
-whatever order the runner writes and reads the cache within a step.
+Blocks are registered in the cache once the step that computes their KV is
+scheduled and their tokens are known (``cache_blocks``, called when a request is
+scheduled and again when its sampled token is read back). A hit is then valid KV by
+the time it is read: device steps run in launch order, and within a step each layer
+writes the step's new KV into the pool before its attention reads the pool.
 """
 
 from __future__ import annotations
@@ -90,13 +92,19 @@ class KVCacheManager:
         self._update_block_hashes(req, root)
         refs = self.req_refs.setdefault(req.request_id, [])
         blocks = self.req_blocks[req.request_id]
-        for i in range(len(refs), req.num_computed_tokens // self.block_size):
+        # Known tokens only: a block's last token may still be in flight.
+        num_done = min(req.num_computed_tokens, req.num_tokens)
+        for i in range(len(refs), num_done // self.block_size):
             parent = root if i == 0 else refs[-1]
             serial = None
             if parent is not None:
                 key = (parent, self._block_tokens(req, i))
                 serial = self.block_pool.cache_block(blocks[i], req.block_hashes[i], key)
             refs.append(serial)
+
+    def num_cached_blocks(self, req: Request) -> int:
+        """Full blocks of the request registered so far (or skipped on a collision)."""
+        return len(self.req_refs.get(req.request_id, ()))
 
     # -- allocation ---------------------------------------------------------------
 

@@ -1,4 +1,9 @@
-"""LLMEngine: step() = schedule -> runner.execute -> update -> detokenize -> outputs."""
+"""LLMEngine: step() = schedule -> launch -> read back -> update -> detokenize -> outputs.
+
+With async scheduling (the default) a step launches step N+1 before it reads back
+step N, so the host's scheduling, input preparation and detokenization overlap the
+device; each call returns the outputs of the step launched by the previous call.
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -93,7 +98,9 @@ class LLMEngine:
         self.max_num_batched_tokens = _max_batched(config, self.max_model_len)
         self.runner = ModelRunner(config, loaded, self.mesh, self.max_model_len,
                                   self.max_num_batched_tokens)
+        t_load = time.perf_counter()
         self.runner.initialize_kv_cache()
+        t_kv = time.perf_counter()
         num_cpu_blocks = _num_cpu_blocks(config, self.runner)
         self.host_pool = self.runner.host_pool(num_cpu_blocks)
         sc = config.scheduler
@@ -107,6 +114,10 @@ class LLMEngine:
         if not config.enforce_eager:
             self.runner.warm_up()
         self.startup_seconds = time.perf_counter() - t0
+        # Where start-up went: weights (built or read), KV sizing (a profiling step
+        # on a GPU) and allocation, and warm-up compilation.
+        self.startup_breakdown = {"load_s": t_load - t0, "kv_cache_s": t_kv - t_load,
+                                  "warm_up_s": time.perf_counter() - t_kv}
         self.eos_token_id = self.arch.eos_token_id[0] if self.arch.eos_token_id else \
             self.tokenizer.eos_token_id
         self.groups: dict[str, _Group] = {}
@@ -114,8 +125,11 @@ class LLMEngine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self._rng = random.Random(mc.seed)
-        logger.info("engine ready in %.1f s (%s, %d KV blocks, %s)", self.startup_seconds,
-                    self.model_path, self.runner.num_blocks, jax.devices()[0].platform)
+        self.async_scheduling = sc.async_scheduling
+        self._in_flight = None    # (SchedulerOutput, StepHandle) launched, not read back
+        logger.info("engine ready in %.1f s (%s, %d KV blocks, %s; %s)", self.startup_seconds,
+                    self.model_path, self.runner.num_blocks, jax.devices()[0].platform,
+                    ", ".join(f"{k} {v:.1f}" for k, v in self.startup_breakdown.items()))
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "LLMEngine":
@@ -210,9 +224,32 @@ class LLMEngine:
 
     # ------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
-        so = self.scheduler.schedule()
+        previous = self._in_flight
+        self._in_flight = None
+        if previous is not None and not self._can_schedule_ahead(previous[0]):
+            outputs = self._finish(*previous)   # the next step needs its tokens on the host
+            previous = None
+        else:
+            outputs = []
+        launched = self._launch(self.scheduler.schedule())
+        if previous is not None:
+            outputs = self._finish(*previous)
+        if launched is not None:
+            if self.async_scheduling:
+                self._in_flight = launched
+            else:
+                outputs += self._finish(*launched)
+        return outputs
+
+    def _can_schedule_ahead(self, so) -> bool:
+        """Penalties read a request's output tokens on the host: a step with such a
+        request is read back before the next one is scheduled."""
+        return not any(self.samples[r.request_id].request.sampling_params.uses_penalties
+                       for r in so.scheduled if r.request_id in self.samples)
+
+    def _launch(self, so):
         if not so.scheduled:
-            return []
+            return None
         now = time.time()
         self.runner.swap_out(so.blocks_to_swap_out, self.host_pool)
         self.runner.swap_in(so.blocks_to_swap_in, self.host_pool)
@@ -221,8 +258,12 @@ class LLMEngine:
         for rid in requests:
             m = self.groups[self._group_id(rid)].metrics
             m.first_scheduled_time = m.first_scheduled_time or now
-        results = self.runner.execute(so, requests, seeds)
-        self._record_prompt_logprobs(self.runner.prompt_logprobs)
+        return so, self.runner.execute_model(so, requests, seeds)
+
+    def _finish(self, so, handle) -> list[RequestOutput]:
+        """Read a launched step back and turn it into outputs."""
+        results, prompt_logprobs = self.runner.get_output(handle)
+        self._record_prompt_logprobs(prompt_logprobs)
         updated = self.scheduler.update_from_output(
             so, {rid: r.token_id for rid, r in results.items()})
         touched: dict[str, _Group] = {}
@@ -239,6 +280,8 @@ class LLMEngine:
 
     def _record_prompt_logprobs(self, per_request: dict) -> None:
         for sid, rows in per_request.items():
+            if sid not in self.samples:
+                continue   # aborted while its step ran
             group = self.groups[self._group_id(sid)]
             k = group.params.prompt_logprobs
             for pos, lp, rank, top_ids, top_lps in rows:

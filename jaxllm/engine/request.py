@@ -1,8 +1,9 @@
 """Per-request state the scheduler tracks (vLLM v1 names).
 
 A request is its token list (prompt + outputs so far) and ``num_computed_tokens``,
-the length of the prefix whose KV is in the cache. Prefill, chunked prefill and
-decode are all "catch ``num_computed_tokens`` up to ``num_tokens``".
+the length of the prefix whose KV is in the cache or being written by a launched
+step. Prefill, chunked prefill and decode are all "catch ``num_computed_tokens`` up
+to ``num_tokens`` (+ the output placeholders)".
 
 No jax here: the scheduler imports this module and must stay pure Python.
 """
@@ -69,7 +70,13 @@ class Request:
         self.output_token_ids: list[int] = []
         # Kept as one list so all_token_ids is O(1); extended by append_output_token.
         self._all_token_ids: list[int] = list(self.prompt_token_ids)
+        # Tokens whose KV is computed or being computed by a launched step: advanced
+        # when a step is scheduled (vLLM v1), so the next step can be scheduled while
+        # this one runs.
         self.num_computed_tokens = 0
+        # Tokens sampled by a launched step but not yet read back (async scheduling):
+        # 0 or 1. The next step feeds such a token from the device, never the host.
+        self.num_output_placeholders = 0
         # Prefix-cache hit at first schedule, in tokens; -1 until then.
         self.num_cached_tokens = -1
         # Chained hashes of the full blocks of all_token_ids, filled lazily by the

@@ -15,7 +15,18 @@ prompt's full blocks even with prefix caching off (see kv_cache_manager). A samp
 waits while a sibling is still computing those blocks, so it finds them cached
 instead of computing its own copy.
 
-Contract: ``schedule()`` and ``update_from_output()`` alternate, one each per step.
+Async scheduling (vLLM's): ``schedule()`` advances ``num_computed_tokens`` as soon as a
+step is scheduled, and a request whose step will sample holds an *output placeholder*
+until ``update_from_output()`` brings the token. So step N+1 can be scheduled while
+step N runs: a placeholder is fed as ``PLACEHOLDER_TOKEN_ID``, which the runner
+replaces on the device by the token step N sampled. A request whose pending tokens
+already reach its length cap is not scheduled again. An EOS or stop string seen late
+costs one wasted token of compute; the scheduler is never wrong about KV, because
+every device step runs in launch order.
+
+Contract: every ``schedule()`` is followed by one ``update_from_output()`` for it, in
+order; at most one scheduled step may be waiting for its update when ``schedule()``
+is called (sync engines update before scheduling again, async ones one step later).
 """
 
 from __future__ import annotations
@@ -29,12 +40,14 @@ from jaxllm.engine.kv_cache_manager import KVCacheManager, cdiv
 from jaxllm.engine.request import Request, RequestStatus
 
 PREEMPTION_MODES = ("recompute", "swap")
+# Stands for a token sampled by the previous step and not yet read back.
+PLACEHOLDER_TOKEN_ID = -1
 
 
 @dataclass
 class ScheduledRequest:
     request_id: str
-    token_ids: list[int]        # tokens fed this step (len = num_scheduled_tokens)
+    token_ids: list[int]        # tokens fed this step; PLACEHOLDER_TOKEN_ID = not read back yet
     num_computed_tokens: int    # position of token_ids[0]; tokens before it are in the KV cache
     block_table: list[int]      # all block ids of this request, in order
     do_sample: bool             # after this step every known token is computed: sample one
@@ -103,12 +116,17 @@ class Scheduler:
                 continue
             if request.status is RequestStatus.RUNNING:
                 self.running.remove(request)
-            elif request.status is RequestStatus.SWAPPED:
-                self.swapped.remove(request)
             else:
-                self.waiting.remove(request)
+                self._remove_queued(request, request.status)
             request.status = finished_status
             self._free_request(request)
+
+    def _remove_queued(self, request: Request, status: RequestStatus) -> None:
+        """Take a waiting, preempted or swapped request out of its queue."""
+        if status is RequestStatus.SWAPPED:
+            self.swapped.remove(request)
+        else:
+            self.waiting.remove(request)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -155,17 +173,22 @@ class Scheduler:
         updated, any_finished = [], False
         for sched in scheduler_output.scheduled:
             request = self.requests.get(sched.request_id)
-            if request is None or request.status is not RequestStatus.RUNNING:
-                continue  # finished (aborted) after it was scheduled
-            request.num_computed_tokens += len(sched.token_ids)
-            self.kv_cache_manager.cache_blocks(request)
-            if not sched.do_sample:
-                continue
-            request.append_output_token(sampled[sched.request_id])
-            updated.append(request)
-            if self._check_stop(request):
+            if request is None:
+                continue  # finished (aborted, stop string) after it was scheduled
+            status = request.status
+            if sched.do_sample:
+                # Also for a request preempted since: the token came from valid KV.
+                request.num_output_placeholders -= 1
+                request.append_output_token(sampled[sched.request_id])
+                updated.append(request)
+            if status is RequestStatus.RUNNING:
+                self.kv_cache_manager.cache_blocks(request)
+            if sched.do_sample and self._check_stop(request):
+                if status is RequestStatus.RUNNING:
+                    any_finished = True
+                else:
+                    self._remove_queued(request, status)
                 self._free_request(request)
-                any_finished = True
         if any_finished:
             self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
         return updated
@@ -176,7 +199,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(_num_wanted(request), budget)
+            if num_new == 0 or self._reaches_length_cap(request):
+                i += 1   # its in-flight token is its last (or nothing to do yet)
+                continue
             if not self._allocate_or_preempt(request, num_new, out):
                 break  # it preempted itself: it was the last running request
             self._add_scheduled(out, request, num_new)
@@ -213,7 +239,9 @@ class Scheduler:
     def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
         while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.swapped[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if request.num_output_placeholders:
+                break  # preempted with a token in flight: resume once it is read back
+            num_new = min(_num_wanted(request), budget)
             pairs = self.kv_cache_manager.swap_in(request, num_new)
             if pairs is None:
                 break
@@ -228,6 +256,8 @@ class Scheduler:
         held_back = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            if request.num_output_placeholders:
+                break  # preempted with a token in flight: resume once it is read back
             if request.parent_id is not None and request.parent_id in sharing:
                 held_back.append(self.waiting.popleft())  # keeps its place, see module doc
                 continue
@@ -269,22 +299,40 @@ class Scheduler:
     def _add_scheduled(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
         start = request.num_computed_tokens
         end = start + num_new
+        known = request.all_token_ids[start:min(end, request.num_tokens)]
+        do_sample = end == request.num_tokens + request.num_output_placeholders
         out.scheduled.append(ScheduledRequest(
             request_id=request.request_id,
-            token_ids=request.all_token_ids[start:end],
+            token_ids=known + [PLACEHOLDER_TOKEN_ID] * (num_new - len(known)),
             num_computed_tokens=start,
             block_table=self.kv_cache_manager.get_block_table(request),
-            do_sample=end == request.num_tokens,
-            output_index=request.num_output_tokens,
+            do_sample=do_sample,
+            output_index=request.num_output_tokens + request.num_output_placeholders,
         ))
         out.num_batched_tokens += num_new
+        request.num_computed_tokens = end
+        if do_sample:
+            request.num_output_placeholders += 1
+        # Registered now, not after the step: a later request (even in this step) that
+        # hits these blocks reads them after this step's KV writes, in launch order.
+        self.kv_cache_manager.cache_blocks(request)
+
+    def _reaches_length_cap(self, request: Request) -> bool:
+        """The tokens in flight already end the request by length: schedule no more."""
+        pending = request.num_output_placeholders
+        if not pending:
+            return False
+        max_tokens = request.max_tokens
+        return request.num_tokens + pending >= self.max_model_len or (
+            max_tokens is not None and request.num_output_tokens + pending >= max_tokens)
 
     def _computing_shared_prompt(self, request: Request) -> bool:
-        """True while a sample computes prompt blocks its siblings will reuse."""
+        """True while a sample computes prompt blocks its siblings will reuse (until
+        they are registered in the cache, after the step that computes them)."""
         if request.parent_id is None:
             return False
-        shared_tokens = (request.num_prompt_tokens - 1) // self.block_size * self.block_size
-        return request.num_computed_tokens < shared_tokens
+        shared_blocks = (request.num_prompt_tokens - 1) // self.block_size
+        return self.kv_cache_manager.num_cached_blocks(request) < shared_blocks
 
     # -- finishing -----------------------------------------------------------------------
 
@@ -340,6 +388,11 @@ class Scheduler:
                 f"request {request.request_id!r} can need {num_blocks} KV blocks but the cache "
                 f"has {usable}; lower max_tokens or --max-model-len, or give the KV cache "
                 f"more memory (--gpu-memory-utilization)")
+
+
+def _num_wanted(request: Request) -> int:
+    """Tokens the request still needs computed, a pending output included."""
+    return request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
 
 
 def _validate_args(block_size: int, num_gpu_blocks: int, num_cpu_blocks: int, max_num_seqs: int,

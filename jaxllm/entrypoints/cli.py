@@ -41,6 +41,7 @@ ENGINE_HELP = {
     "max_num_batched_tokens": "token budget of one step; default: derived from max_model_len",
     "enable_chunked_prefill": "split long prompts over several steps so decodes keep running",
     "preemption_mode": "when KV blocks run out: recompute, or swap to host memory",
+    "async_scheduling": "prepare the next step while the device runs this one",
     "tensor_parallel_size": "shard the model over this many devices (must divide the heads)",
     "coordinator_address": "multi-host: host:port of process 0 for jax.distributed",
     "num_processes": "multi-host: how many processes (one per host)",

@@ -94,7 +94,7 @@ def follow(runner) -> int:
             logits = runner._launch(*payload)
             steps += 1
         elif kind == "sample":                  # (SamplingMetadata, SamplerFlags)
-            runner._sample(logits, *payload)
+            runner._sample_step(logits, *payload)
         else:
             raise RuntimeError(f"unknown message {kind!r} from the leader")
 

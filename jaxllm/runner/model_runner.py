@@ -1,14 +1,23 @@
 """SchedulerOutput -> padded, bucketed arrays -> jitted step -> sampled tokens.
 
+``execute_model`` launches a step and returns at once (a ``StepHandle``);
+``get_output`` reads its sampled tokens back. Between the two the engine schedules
+and launches the next step, so host work overlaps the device. The sampled tokens of
+the last step also stay on the device (``_token_buf``, row i = sequence i of that
+step): an input token not yet read back is written as ``-(row + 1)`` and the jitted
+step takes it from there.
+
 Letter legend: T padded tokens, S padded sequences, B blocks per block-table row,
-V vocab, L layers.
+V vocab, L layers, M the largest sequence bucket.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import logging
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import jax
@@ -17,12 +26,14 @@ import numpy as np
 from flax import nnx
 
 from jaxllm.config import EngineConfig
+from jaxllm.engine.scheduler import PLACEHOLDER_TOKEN_ID
 from jaxllm.layers.attention import AttentionMetadata, AttentionSpec
 from jaxllm.models.loader import LoadedModel
 from jaxllm.parallel import distributed, mesh as mesh_lib
 from jaxllm.runner import kv_cache
 from jaxllm.runner.buckets import BucketPlan
-from jaxllm.runner.sampler import SamplerFlags, SamplingMetadata, compute_logprobs, sample
+from jaxllm.runner.sampler import (SamplerFlags, SamplerOutput, SamplingMetadata,
+                                   compute_logprobs, sample)
 from jaxllm.sampling_params import MAX_LOGPROBS
 
 logger = logging.getLogger(__name__)
@@ -37,10 +48,22 @@ class SampleResult:
     top_logprobs: list[float] | None = None
 
 
-def _forward(graphdef, treedef, spec, leaves, kv_caches, input_ids, positions, md,
+@dataclass
+class StepHandle:
+    """A launched step: what it ran and its device outputs, not read back yet."""
+    scheduled: list
+    requests: dict
+    sampled: SamplerOutput
+    num_logprobs: int
+    prompt_out: tuple | None
+
+
+def _forward(graphdef, treedef, spec, leaves, kv_caches, token_buf, input_ids, positions, md,
              logits_indices, target_ids=None):
-    """One step. With target_ids i32[T] (each token's successor) it also returns the raw
+    """One step. input_ids < 0 name rows of token_buf i32[M] (the previous step's
+    samples). With target_ids i32[T] (each token's successor) it also returns the raw
     prompt logprobs (logprob [T], rank [T], top ids [T, K], top logprobs [T, K])."""
+    input_ids = jnp.where(input_ids < 0, token_buf[jnp.maximum(-input_ids - 1, 0)], input_ids)
     # The step takes the parameters as a flat list: flattening an NNX State and
     # hashing a static graphdef on every call cost milliseconds of host time per step.
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
@@ -50,6 +73,12 @@ def _forward(graphdef, treedef, spec, leaves, kv_caches, input_ids, positions, m
         return logits, kv_caches
     prompt = compute_logprobs(model.compute_logits(hidden), target_ids, MAX_LOGPROBS)
     return logits, kv_caches, prompt
+
+
+def _sample_into(logits, md, flags, token_buf):
+    """Sample, and keep the sampled ids on the device for the next step's inputs."""
+    out = sample(logits, md, flags)
+    return out, jax.lax.dynamic_update_slice(token_buf, out.token_ids, (0,))
 
 
 class ModelRunner:
@@ -73,8 +102,10 @@ class ModelRunner:
         self.model_dtype = jax.tree.leaves(self.state)[0].dtype
         self.kv_caches = None
         self.num_blocks = 0
-        self.prompt_logprobs: dict = {}   # filled by execute() for prompt_logprobs requests
         self._replicated = mesh_lib.replicated(mesh)
+        self._token_buf = jax.device_put(np.zeros(self.plan.max_seqs, np.int32),
+                                         self._replicated)
+        self._prev_rows: dict[str, int] = {}   # request id -> its row in _token_buf
         # TP: logits come back gathered (the sampler reads whole rows), the pool stays
         # split by KV head.
         self._leaves, treedef = jax.tree.flatten(self.state)
@@ -86,7 +117,7 @@ class ModelRunner:
         self._step_prompt = jax.jit(
             functools.partial(_forward, self.graphdef, treedef, self.spec), donate_argnums=(1,))
         self.leader = distributed.leader()   # multi-host: process 0 feeds the followers
-        self._sample = jax.jit(sample, static_argnums=(2,))
+        self._sample = jax.jit(_sample_into, static_argnums=(2,))
 
     def _backend(self) -> str:
         backend = self.config.attention_backend
@@ -149,6 +180,8 @@ class ModelRunner:
             pos = np.arange(start, start + n, dtype=np.int32)
             table = np.asarray(r.block_table, np.int32)
             input_ids[off:off + n] = r.token_ids
+            if r.token_ids[-1] == PLACEHOLDER_TOKEN_ID:   # sampled by the last step
+                input_ids[off + n - 1] = -1 - self._prev_rows[r.request_id]
             positions[off:off + n] = pos
             slot_mapping[off:off + n] = table[pos // bs] * bs + pos % bs
             block_tables[i, :len(table)] = table
@@ -171,7 +204,8 @@ class ModelRunner:
             slot_mapping=arrays["slot_mapping"], block_tables=arrays["block_tables"],
             seq_lens=arrays["seq_lens"], query_start_loc=arrays["query_start_loc"],
             decode_only=decode_only)
-        args = (arrays["input_ids"], arrays["positions"], md, arrays["logits_indices"])
+        args = (self._token_buf, arrays["input_ids"], arrays["positions"], md,
+                arrays["logits_indices"])
         if prompt_targets is not None:
             logits, self.kv_caches, prompt = self._step_prompt(
                 self._leaves, self.kv_caches, *args, arrays["prompt_targets"])
@@ -179,13 +213,22 @@ class ModelRunner:
         logits, self.kv_caches = self._step(self._leaves, self.kv_caches, *args)
         return logits
 
-    def execute(self, scheduler_output, requests: dict, fallback_seeds: dict) -> dict:
-        """Run one step. `requests` maps id -> Request; returns id -> SampleResult for
-        the requests whose chunk reached the end of their known tokens."""
+    def _sample_step(self, logits, md, flags) -> SamplerOutput:
+        out, self._token_buf = self._sample(logits, md, flags, self._token_buf)
+        return out
+
+    def execute(self, scheduler_output, requests: dict, fallback_seeds: dict):
+        """Run one step and wait for it: (id -> SampleResult, prompt logprobs)."""
+        handle = self.execute_model(scheduler_output, requests, fallback_seeds)
+        return self.get_output(handle) if handle is not None else ({}, {})
+
+    def execute_model(self, scheduler_output, requests: dict,
+                      fallback_seeds: dict) -> StepHandle | None:
+        """Launch one step (model and sampler) without waiting for it. `requests` maps
+        id -> Request; None when nothing is scheduled."""
         scheduled = scheduler_output.scheduled
-        self.prompt_logprobs = {}
         if not scheduled:
-            return {}
+            return None
         arrays, decode_only, rows = self.prepare_inputs(scheduled)
         targets = self._prompt_targets(scheduled, requests, len(arrays["input_ids"]))
         prompt_out = None
@@ -204,21 +247,34 @@ class ModelRunner:
             eos_token_ids=self._eos_ids())
         if self.leader is not None:
             self.leader.send("sample", md, flags)
-        out = jax.device_get(self._sample(logits, md, flags))
-        results = {}
+        out = self._sample_step(logits, md, flags)
+        self._prev_rows = {r.request_id: i for i, r in enumerate(scheduled) if r.do_sample}
+        for x in out:                       # start the copies back now
+            x.copy_to_host_async()
+        if prompt_out is not None:
+            for x in prompt_out:
+                x.copy_to_host_async()
+        return StepHandle(scheduled, requests, out, flags.num_logprobs, prompt_out)
+
+    def get_output(self, handle: StepHandle):
+        """Wait for a launched step: (id -> SampleResult for the requests whose chunk
+        reached the end of their tokens, id -> prompt logprob rows)."""
+        out = jax.device_get(handle.sampled)
+        scheduled, results = handle.scheduled, {}
         for i, r in enumerate(scheduled):
             if not r.do_sample:
                 continue
             res = SampleResult(int(out.token_ids[i]), float(out.logprobs[i]),
                                int(out.sampled_rank[i]))
-            if flags.num_logprobs:
+            if handle.num_logprobs:
                 res.top_ids = out.top_logprob_ids[i].tolist()
                 res.top_logprobs = out.top_logprobs[i].tolist()
             results[r.request_id] = res
-        if prompt_out is not None:
-            self.prompt_logprobs = self._split_prompt_logprobs(
-                scheduled, requests, jax.device_get(prompt_out))
-        return results
+        prompt = {}
+        if handle.prompt_out is not None:
+            prompt = self._split_prompt_logprobs(scheduled, handle.requests,
+                                                 jax.device_get(handle.prompt_out))
+        return results, prompt
 
     def _prompt_targets(self, scheduled, requests, num_tokens):
         """i32[T]: each prompt token's successor, for chunks of prompt_logprobs
@@ -260,25 +316,50 @@ class ModelRunner:
         return self.arch.eos_token_id
 
     # ------------------------------------------------------------ warm-up
-    def _run_dummy(self, t: int, s: int, decode_only: bool):
-        arrays = dict(
+    def _dummy_arrays(self, t: int, s: int) -> dict:
+        return dict(
             input_ids=np.zeros(t, np.int32), positions=np.zeros(t, np.int32),
             slot_mapping=np.full(t, -1, np.int32),
             block_tables=np.zeros((s, self.max_blocks_per_seq), np.int32),
             seq_lens=np.zeros(s, np.int32), query_start_loc=np.zeros(s + 1, np.int32),
             logits_indices=np.zeros(s, np.int32))
-        return self._launch(arrays, decode_only)
 
-    def warm_up(self) -> float:
-        """Compile every bucket shape (model step and each sampler variant)."""
+    def _run_dummy(self, t: int, s: int, decode_only: bool):
+        return self._launch(self._dummy_arrays(t, s), decode_only)
+
+    def _compile_step(self, t: int, s: int, decode_only: bool):
+        """Compile the step for one bucket without running it (lowered with the very
+        arguments a real call passes, so the call finds it in jit's cache)."""
+        x = jax.device_put(self._dummy_arrays(t, s), self._replicated)
+        md = AttentionMetadata(
+            slot_mapping=x["slot_mapping"], block_tables=x["block_tables"],
+            seq_lens=x["seq_lens"], query_start_loc=x["query_start_loc"],
+            decode_only=decode_only)
+        self._step.lower(self._leaves, self.kv_caches, self._token_buf, x["input_ids"],
+                         x["positions"], md, x["logits_indices"]).compile()
+
+    def _compile_sampler(self, s: int, logits, flags: SamplerFlags):
+        self._sample.lower(logits, _dummy_sampling_md(s), flags, self._token_buf).compile()
+
+    def warm_up(self, max_workers: int | None = None) -> float:
+        """Compile every bucket shape (model step and each sampler variant), several
+        at once: XLA compiles outside the GIL, so threads cut the start-up time."""
         t0 = time.perf_counter()
-        for t, s, decode_only in self.plan.all_shapes():
-            logits = self._run_dummy(t, s, decode_only)
-            for flags in _sampler_variants():
-                md = _dummy_sampling_md(s)
-                self._sample(logits, md, flags).token_ids.block_until_ready()
+        shapes = self.plan.all_shapes()
+        # The sampler sees the step's logits: float32 [S, V], replicated.
+        logits = {s: jax.device_put(np.zeros((s, self.arch.vocab_size), np.float32),
+                                    self._replicated)
+                  for s in sorted({s for _, s, _ in shapes})}
+        jobs = [functools.partial(self._compile_step, *shape) for shape in shapes]
+        jobs += [functools.partial(self._compile_sampler, s, x, flags)
+                 for s, x in logits.items() for flags in _sampler_variants()]
+        workers = max_workers or min(len(jobs), max(1, (os.cpu_count() or 2) - 1), 16)
+        with ThreadPoolExecutor(workers) as pool:
+            for future in [pool.submit(job) for job in jobs]:
+                future.result()
         elapsed = time.perf_counter() - t0
-        logger.info("warm-up compiled %d shapes in %.1f s", len(self.plan.all_shapes()), elapsed)
+        logger.info("warm-up compiled %d step shapes and %d sampler variants in %.1f s "
+                    "(%d threads)", len(shapes), len(jobs) - len(shapes), elapsed, workers)
         return elapsed
 
     # ------------------------------------------------------------ swap

@@ -156,6 +156,35 @@ def test_n_samples_stop_strings_and_abort(llama):
     del tok
 
 
+def test_async_scheduling_matches_sync(llama):
+    """Step N+1 launched before step N is read back (tokens fed on the device) gives
+    the same tokens and logprobs as one step at a time, across sampling features; a
+    penalty request is read back before the next schedule."""
+    folder, hf, llm = llama
+    sync = LLM(folder, enforce_eager=True, async_scheduling=False, **ENGINE)
+    prompts = [{"prompt_token_ids": p} for p in make_prompts(hf.config.vocab_size, n=12, seed=7)]
+    kinds = [SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
+             SamplingParams(temperature=0.9, top_p=0.8, seed=3, max_tokens=11, logprobs=2),
+             SamplingParams(temperature=0.7, seed=4, max_tokens=7, presence_penalty=1.5,
+                            repetition_penalty=1.3, ignore_eos=True),
+             SamplingParams(n=2, temperature=1.0, seed=8, max_tokens=6, min_tokens=3)]
+    params = [kinds[i % len(kinds)] for i in range(len(prompts))]
+
+    def outs(engine):
+        got = engine.generate(prompts, params, use_tqdm=False)
+        return [[(c.token_ids, c.finish_reason, c.logprobs) for c in o.outputs] for o in got]
+    assert outs(llm) == outs(sync)
+    engine = llm.llm_engine
+    assert engine.async_scheduling and not sync.llm_engine.async_scheduling
+    engine.add_request("ahead", prompts[0], SamplingParams(temperature=0, max_tokens=3))
+    assert engine.step() == [] and engine._in_flight is not None   # launched, not read
+    assert len(engine.step()[0].outputs[0].token_ids) == 1
+    while engine.has_unfinished_requests():
+        engine.step()
+    stats = engine.get_stats()
+    assert stats.num_free_blocks == stats.num_total_blocks
+
+
 def test_prompt_too_long_is_rejected_with_vllm_wording(llama):
     _, _, llm = llama
     with pytest.raises(ValueError, match="maximum context length is 128 tokens. However, "

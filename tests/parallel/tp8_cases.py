@@ -134,7 +134,8 @@ def test_step_outputs_and_collectives(run, arch, tp):
     x = jax.device_put(arrays, runner._replicated)
     md = AttentionMetadata(x["slot_mapping"], x["block_tables"], x["seq_lens"],
                            x["query_start_loc"], decode_only=True)
-    compiled = runner._step.lower(runner._leaves, runner.kv_caches, x["input_ids"],
+    compiled = runner._step.lower(runner._leaves, runner.kv_caches, runner._token_buf,
+                                  x["input_ids"],
                                   x["positions"], md, x["logits_indices"]).compile()
     logits_sharding, kv_shardings = compiled.output_shardings
     assert logits_sharding.is_fully_replicated

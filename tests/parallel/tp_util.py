@@ -90,10 +90,10 @@ def generate_greedy(llm, max_tokens: int = 4):
     runner, seen = llm.llm_engine.runner, []
     sample = runner._sample
 
-    def capture(logits, md, flags):
+    def capture(logits, md, flags, token_buf):
         assert logits.sharding.is_fully_replicated, logits.sharding
         seen.append(np.asarray(logits))
-        return sample(logits, md, flags)
+        return sample(logits, md, flags, token_buf)
 
     runner._sample = capture
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
