@@ -16,6 +16,12 @@ SAMPLING_EPS = 1e-5
 MAX_LOGPROBS = 20
 
 
+class RequestOutputKind(enum.Enum):
+    """What the engine returns for a request after a step (vLLM's names)."""
+    CUMULATIVE = 0   # every step: the whole output so far (the server streams these)
+    FINAL_ONLY = 2   # only once, when finished (LLM.generate: no per-step work)
+
+
 class SamplingType(enum.IntEnum):
     GREEDY = 0
     RANDOM = 1
@@ -50,6 +56,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         self._normalize()

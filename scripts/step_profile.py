@@ -88,10 +88,20 @@ def profile(runner, arrays, decode_only, iters=5, top=12) -> dict:
 def summarize(events, iters, top=12) -> dict:
     gpu_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
                 and "GPU" in str(e.get("args", {}).get("name", ""))}
+    threads = {(e["pid"], e.get("tid")): str(e.get("args", {}).get("name", ""))
+               for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}
     kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu_pids
                and "dur" in e and not str(e.get("name", "")).startswith("$")]
     if not kernels:
         return {"error": "no GPU events in the trace"}
+    line_ms = collections.Counter()
+    for e in kernels:
+        line_ms[threads.get((e["pid"], e.get("tid")), "?")] += e["dur"] / (1000.0 * iters)
+    # A GPU's trace also has derived lines ("XLA Ops", "XLA Modules") that repeat the
+    # kernels of its "Stream" lines: count the streams when there are any.
+    streams = {k for k, v in threads.items() if "stream" in v.lower()}
+    if streams:
+        kernels = [e for e in kernels if (e["pid"], e.get("tid")) in streams]
     by_name = collections.defaultdict(lambda: [0.0, 0])
     by_kind = collections.Counter()
     for e in kernels:
@@ -109,6 +119,7 @@ def summarize(events, iters, top=12) -> dict:
         "span_ms_per_step": (end - start) / per,
         "kernels_per_step": len(kernels) / iters,
         "by_kind_ms": {k: round(v / per, 4) for k, v in by_kind.most_common()},
+        "lines_ms": {k: round(v, 4) for k, v in line_ms.most_common(8)},
         "top": [(n[:90], round(d / per, 4), c // iters)
                 for n, (d, c) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]],
     }

@@ -86,14 +86,17 @@ class KVCacheManager:
 
     def cache_blocks(self, req: Request) -> None:
         """Register the request's newly computed full blocks."""
+        # Known tokens only: a block's last token may still be in flight.
+        num_done = min(req.num_computed_tokens, req.num_tokens)
+        refs = self.req_refs.get(req.request_id)
+        if refs is not None and len(refs) >= num_done // self.block_size:
+            return    # no new full block (most steps)
         root = self._scope(req)
         if root is None:
             return
         self._update_block_hashes(req, root)
         refs = self.req_refs.setdefault(req.request_id, [])
         blocks = self.req_blocks[req.request_id]
-        # Known tokens only: a block's last token may still be in flight.
-        num_done = min(req.num_computed_tokens, req.num_tokens)
         for i in range(len(refs), num_done // self.block_size):
             parent = root if i == 0 else refs[-1]
             serial = None
@@ -115,6 +118,9 @@ class KVCacheManager:
         """
         pool = self.block_pool
         blocks = self.req_blocks.get(req.request_id, [])
+        if hit is None and (req.num_computed_tokens + num_new_tokens
+                            <= len(blocks) * self.block_size):
+            return True    # the common decode step: the last block has room
         hit_ids = hit.block_ids if hit else []
         num_total = req.num_computed_tokens + len(hit_ids) * self.block_size + num_new_tokens
         num_needed = max(cdiv(num_total, self.block_size) - len(blocks) - len(hit_ids), 0)

@@ -19,7 +19,7 @@ from jaxllm.engine.detokenizer import IncrementalDetokenizer
 from jaxllm.engine.request import Request, RequestStatus
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.outputs import CompletionOutput, RequestOutput, make_logprobs_entry
-from jaxllm.sampling_params import SamplingParams
+from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -276,7 +276,9 @@ class LLMEngine:
             group.metrics.last_token_time = now
             touched[group.request_id] = group
         self.generation_tokens_total += len(updated)
-        return [self._make_output(g) for g in touched.values()]
+        return [self._make_output(g) for g in touched.values()
+                if g.params.output_kind is not RequestOutputKind.FINAL_ONLY
+                or all(s.request.is_finished() for s in g.samples)]
 
     def _record_prompt_logprobs(self, per_request: dict) -> None:
         for sid, rows in per_request.items():

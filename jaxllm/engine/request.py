@@ -26,7 +26,11 @@ class RequestStatus(enum.Enum):
 
     @staticmethod
     def is_finished(status: RequestStatus) -> bool:
-        return status in _FINISH_REASONS
+        # Identity tests: hashing an Enum member runs Python code, and this is asked
+        # for every request on every step.
+        return (status is RequestStatus.FINISHED_STOPPED
+                or status is RequestStatus.FINISHED_LENGTH_CAPPED
+                or status is RequestStatus.FINISHED_ABORTED)
 
     @staticmethod
     def get_finished_reason(status: RequestStatus) -> str | None:

@@ -6,12 +6,13 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import Sequence
 
 from jaxllm.config import engine_config_from_flat
 from jaxllm.outputs import RequestOutput
-from jaxllm.sampling_params import SamplingParams
+from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -37,6 +38,10 @@ class LLM:
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        # Only finished outputs are returned, so the engine builds no others (vLLM).
+        final = {}
+        params = [final.get(id(p)) or final.setdefault(id(p), dataclasses.replace(
+            p, output_kind=RequestOutputKind.FINAL_ONLY)) for p in params]
         ids = []
         try:
             for prompt, p in zip(prompts, params):

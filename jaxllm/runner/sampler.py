@@ -301,9 +301,11 @@ def _blocked_token_lists(
 
 def _pad_token_lists(lists: Sequence[Sequence[int]], rows: int) -> np.ndarray:
     """i32[rows, L] padded with -1; L is a power of two >= the longest list (>= 1)."""
-    longest = max((len(t) for t in lists), default=0)
+    longest = max(map(len, lists), default=0)
     width = 1 << max(longest - 1, 0).bit_length()
     out = np.full((rows, width), -1, np.int32)
-    for i, toks in enumerate(lists):
-        out[i, : len(toks)] = toks
+    if longest:
+        for i, toks in enumerate(lists):
+            if toks:
+                out[i, : len(toks)] = toks
     return out
