@@ -58,7 +58,12 @@ def bench_decode1(llm, vocab, args):
     params = SamplingParams(temperature=0, max_tokens=512, ignore_eos=True)
     timed_generate(llm, prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     t, outs = timed_generate(llm, prompts, params)
-    return {"output_tok_s": 512 / t, "seconds": t, **step_breakdown(llm)}
+    res = {"output_tok_s": 512 / t, "seconds": t, **step_breakdown(llm)}
+    if args.profile:   # the engine's own steps: device busy vs idle
+        import step_profile
+        res["engine_profile"] = step_profile.profile_engine(
+            llm, prompts, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True), 64)
+    return res
 
 
 def step_breakdown(llm):
@@ -200,6 +205,17 @@ def main():
     from jaxllm import LLM, compilation_cache
     from jaxllm.models.loader import read_hf_config
     compilation_cache.enable(args.compile_cache)
+    compiled_names = []
+    if args.startup_only:   # which programs the warm start still compiles
+        import logging
+
+        class _Names(logging.Handler):
+            def emit(self, record):
+                msg = record.getMessage()
+                if "Finished XLA compilation" in msg or "cache hit" in msg.lower():
+                    compiled_names.append(msg[:120])
+        jax.config.update("jax_log_compiles", True)
+        logging.getLogger("jax").addHandler(_Names())
     vocab = read_hf_config(args.model)["vocab_size"]
     results = {"model": args.model, "device": str(jax.devices()[0].device_kind),
                "tp": args.tensor_parallel_size, "tag": args.tag}
@@ -216,8 +232,10 @@ def main():
     results["startup_breakdown"] = llm.llm_engine.startup_breakdown
     results["compile_cache"] = compilation_cache.summary()
     if args.startup_only:
-        print(json.dumps({k: results[k] for k in ("startup_s", "startup_breakdown",
-                                                  "compile_cache")}))
+        misses = [m for m in compiled_names if "Finished XLA compilation" in m]
+        print(json.dumps({**{k: results[k] for k in ("startup_s", "startup_breakdown",
+                                                     "compile_cache")},
+                          "compiled": misses[:40]}))
         return
     results["kv_blocks"] = llm.llm_engine.runner.num_blocks
     results["backend"] = llm.llm_engine.runner.spec.backend

@@ -85,6 +85,20 @@ def profile(runner, arrays, decode_only, iters=5, top=12) -> dict:
     return summarize(events, iters, top)
 
 
+def profile_engine(llm, prompts, params, steps: int, top=12) -> dict:
+    """The whole engine (scheduling, sampling, host work) over one generate call:
+    device kernel time and span per engine step; span - kernels = device idle."""
+    import jax
+    folder = tempfile.mkdtemp(prefix="jaxllm-trace-")
+    with jax.profiler.trace(folder):
+        llm.generate(prompts, params, use_tqdm=False)
+    files = glob.glob(os.path.join(folder, "plugins", "profile", "*", "*.trace.json.gz"))
+    if not files:
+        return {"error": f"no trace written under {folder}"}
+    with gzip.open(files[0]) as f:
+        return summarize(json.load(f)["traceEvents"], steps, top)
+
+
 def summarize(events, iters, top=12) -> dict:
     gpu_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
                 and "GPU" in str(e.get("args", {}).get("name", ""))}
