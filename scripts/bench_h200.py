@@ -58,7 +58,17 @@ def bench_decode1(llm, vocab, args):
     params = SamplingParams(temperature=0, max_tokens=512, ignore_eos=True)
     timed_generate(llm, prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     t, outs = timed_generate(llm, prompts, params)
-    res = {"output_tok_s": 512 / t, "seconds": t, **step_breakdown(llm)}
+    res = {"output_tok_s": 512 / t, "seconds": t, **step_breakdown(llm),
+           "host_ms": host_timing(llm, prompts, params)}
+    engine = llm.llm_engine
+    if engine.async_scheduling:      # the same engine stepping one step at a time
+        engine.async_scheduling = False
+        try:
+            t_sync, _ = timed_generate(llm, prompts, params)
+            res["sync_output_tok_s"] = 512 / t_sync
+            res["sync_host_ms"] = host_timing(llm, prompts, params)
+        finally:
+            engine.async_scheduling = True
     if args.profile:   # the engine's own steps: device busy vs idle
         import step_profile
         res["engine_profile"] = step_profile.profile_engine(
@@ -74,6 +84,30 @@ def step_breakdown(llm):
     arrays, decode_only = step_profile.step_arrays(runner, 1, 600)
     t = step_profile.time_steps(runner, arrays, decode_only, iters=50)
     return {"bare_step_ms_pipelined": t["step_ms_queued"], "bare_step_ms_synced": t["step_ms_synced"]}
+
+
+def host_timing(llm, prompts, params) -> dict:
+    """Mean host milliseconds per engine step: launching a step (schedule, inputs,
+    dispatch), waiting for the step read back, and the rest of the step."""
+    engine, runner = llm.llm_engine, llm.llm_engine.runner
+    spans = {"launch": [], "wait": [], "step": []}
+    real = runner.execute_model, runner.get_output, engine.step
+
+    def timed(name, fn):
+        def call(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spans[name].append(time.perf_counter() - t0)
+        return call
+    runner.execute_model, runner.get_output = timed("launch", real[0]), timed("wait", real[1])
+    engine.step = timed("step", real[2])
+    try:
+        llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        runner.execute_model, runner.get_output, engine.step = real
+    return {k: round(1000 * statistics.mean(v), 4) for k, v in spans.items() if v}
 
 
 # Bare steps profiled with --profile: label -> (batch, context, new tokens per sequence).
@@ -190,9 +224,9 @@ def main():
                     help="time and trace bare steps (PROFILE_SHAPES) after the workloads")
     ap.add_argument("--compile-cache", metavar="DIR",
                     help="persistent compilation cache (cold start fills it)")
-    ap.add_argument("--warm-restart", action="store_true",
-                    help="after the run, start the engine again in a new process on the cache")
-    ap.add_argument("--startup-only", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--startup-only", action="store_true",
+                    help="start the engine, print the start-up time and exit (run it after a "
+                         "run with the same --compile-cache for a warm restart)")
     args = ap.parse_args()
     args.workloads = args.workloads.split(",")
     if args.hf_only:
@@ -252,10 +286,6 @@ def main():
         import step_profile
         results["profile"] = step_profile.run_all(llm.llm_engine.runner, PROFILE_SHAPES)
         save(results, args)
-    if args.warm_restart:
-        del llm
-        results["warm_restart"] = run_subprocess(["--startup-only"])
-        print("warm restart", json.dumps(results["warm_restart"]), flush=True)
     save(results, args)
     print_table(results)
 
@@ -290,8 +320,7 @@ def run_subprocess(extra):
 def print_table(r):
     print(f"\n== {r['model']} on {r['device']} TP={r['tp']} backend={r.get('backend')} "
           f"start-up {r['startup_s']:.1f} s {r.get('startup_breakdown')}")
-    if "warm_restart" in r:
-        print(f"warm restart: {r['warm_restart']}")
+
     hf = r.get("hf", {})
     rows = [
         ("latency", "latency_ms_median", "ms", hf.get("latency_ms")),

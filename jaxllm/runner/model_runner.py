@@ -334,39 +334,38 @@ class ModelRunner:
     def _run_dummy(self, t: int, s: int, decode_only: bool):
         return self._launch(self._dummy_arrays(t, s), decode_only)
 
-    def _compile_step(self, t: int, s: int, decode_only: bool):
-        """Compile the step for one bucket without running it (lowered with the very
-        arguments a real call passes, so the call finds it in jit's cache)."""
+    def _lower_step(self, t: int, s: int, decode_only: bool):
+        """Lower the step for one bucket with the very arguments a real call passes,
+        so its compiled form lands in jit's cache."""
         x = jax.device_put(self._dummy_arrays(t, s), self._replicated)
         md = AttentionMetadata(
             slot_mapping=x["slot_mapping"], block_tables=x["block_tables"],
             seq_lens=x["seq_lens"], query_start_loc=x["query_start_loc"],
             decode_only=decode_only)
-        self._step.lower(self._leaves, self.kv_caches, self._token_buf, x["input_ids"],
-                         x["positions"], md, x["logits_indices"]).compile()
-
-    def _compile_sampler(self, s: int, logits, flags: SamplerFlags):
-        self._sample.lower(logits, _dummy_sampling_md(s), flags, self._token_buf).compile()
+        return self._step.lower(self._leaves, self.kv_caches, self._token_buf, x["input_ids"],
+                                x["positions"], md, x["logits_indices"])
 
     def warm_up(self, max_workers: int | None = None) -> float:
         """Compile every bucket shape (model step and each sampler variant), several
-        at once: XLA compiles outside the GIL, so threads cut the start-up time."""
+        at once: XLA compiles outside the GIL, so threads cut the start-up time.
+        Lowering (Python) stays in this thread, in a fixed order, so the programs and
+        their persistent-cache keys are the same on every start."""
         t0 = time.perf_counter()
         shapes = self.plan.all_shapes()
-        # The sampler sees the step's logits: float32 [S, V], replicated.
-        logits = {s: jax.device_put(np.zeros((s, self.arch.vocab_size), np.float32),
+        lowered = [self._lower_step(*shape) for shape in shapes]
+        for s in sorted({s for _, s, _ in shapes}):
+            # The sampler sees the step's logits: float32 [S, V], replicated.
+            logits = jax.device_put(np.zeros((s, self.arch.vocab_size), np.float32),
                                     self._replicated)
-                  for s in sorted({s for _, s, _ in shapes})}
-        jobs = [functools.partial(self._compile_step, *shape) for shape in shapes]
-        jobs += [functools.partial(self._compile_sampler, s, x, flags)
-                 for s, x in logits.items() for flags in _sampler_variants()]
-        workers = max_workers or min(len(jobs), max(1, (os.cpu_count() or 2) - 1), 16)
+            lowered += [self._sample.lower(logits, _dummy_sampling_md(s), flags, self._token_buf)
+                        for flags in _sampler_variants()]
+        workers = max_workers or min(len(lowered), max(1, (os.cpu_count() or 2) - 1), 16)
         with ThreadPoolExecutor(workers) as pool:
-            for future in [pool.submit(job) for job in jobs]:
+            for future in [pool.submit(low.compile) for low in lowered]:
                 future.result()
         elapsed = time.perf_counter() - t0
         logger.info("warm-up compiled %d step shapes and %d sampler variants in %.1f s "
-                    "(%d threads)", len(shapes), len(jobs) - len(shapes), elapsed, workers)
+                    "(%d threads)", len(shapes), len(lowered) - len(shapes), elapsed, workers)
         return elapsed
 
     # ------------------------------------------------------------ swap
