@@ -36,3 +36,20 @@ def test_kv_blocks_are_sized_per_device(kv_heads, tp, heads_per_device):
                                       num_devices=tp)
     assert report.per_block == 2 * 4 * heads_per_device * 16 * 128 * 2
     assert mesh_lib.pool_kv_heads(kv_heads, tp) // tp == heads_per_device
+
+
+def test_measured_block_count_is_stable_across_starts():
+    """Peaks a few hundred MB apart (two starts of one config) size the pool alike, so
+    the second start finds its compiled steps in the persistent cache; seen on the
+    H200: 39964 and 40540 blocks before rounding."""
+    arch = ArchConfig("LlamaForCausalLM", vocab_size=128256, hidden_size=4096, num_layers=32,
+                      num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=14336)
+    cache = CacheConfig(block_size=16, gpu_memory_utilization=0.9)
+    limit, weights = 104 << 30, 15 << 30
+
+    def blocks(peak):
+        return kv_cache.plan_num_blocks(arch, cache, "bfloat16", 2048, weights, peak,
+                                        limit).num_blocks
+    assert blocks(weights + (1 << 30)) == blocks(weights + (1 << 30) + (600 << 20))
+    exact = (int(limit * 0.9) - weights - (1 << 30)) // (2 << 20)
+    assert exact * 31 // 32 <= blocks(weights + (1 << 30)) <= exact
