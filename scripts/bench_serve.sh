@@ -9,8 +9,8 @@
 #   MODEL=configs/models/llama-3.1-8b bash scripts/bench_serve.sh
 #
 # Env: MODEL (a folder with config.json; dummy weights), NUM_PROMPTS (1000),
-# RATE (8), RATE_PROMPTS (200), PORT (8000), OUT (results folder, default .),
-# EXTRA (more `jaxllm serve` flags).
+# RATE (8), RATE_PROMPTS (200; 0 skips the fixed-rate run), WARM (1; 0 skips the warm
+# restart), PORT (8000), OUT (results folder, default .), EXTRA (more `jaxllm serve` flags).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${MODEL:-configs/models/llama-3.1-8b}
@@ -47,12 +47,17 @@ cold=$READY_S
 echo "cold start to /health: $cold s"
 for spec in "inf $NUM_PROMPTS" "$RATE $RATE_PROMPTS"; do
   set -- $spec
+  [ "$2" = 0 ] && continue
   "${JAXLLM[@]}" bench serve --port "$PORT" --tokenizer "$MODEL" --num-prompts "$2" \
     --input-len 1024 --output-len 128 --ignore-eos --request-rate "$1" --disable-tqdm \
     --save-result --result-dir "$OUT" --result-filename "serve-$TAG-rate-$1.json" \
     2>&1 | grep -v "Warning\|httpx"
 done
 stop_server
+if [ "${WARM:-1}" = 0 ]; then
+  echo "{\"model\": \"$MODEL\", \"cold_start_s\": $cold}" >"$OUT/serve-$TAG-startup.json"
+  exit 0
+fi
 start_server "$OUT/serve-$TAG-warm.log"
 warm=$READY_S
 echo "warm restart to /health: $warm s"
