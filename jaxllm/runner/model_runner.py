@@ -359,7 +359,7 @@ class ModelRunner:
                                     self._replicated)
             lowered += [self._sample.lower(logits, _dummy_sampling_md(s), flags, self._token_buf)
                         for flags in _sampler_variants()]
-        workers = max_workers or min(len(lowered), max(1, (os.cpu_count() or 2) - 1), 16)
+        workers = max_workers or min(len(lowered), os.cpu_count() or 1, 16)
         with ThreadPoolExecutor(workers) as pool:
             for future in [pool.submit(low.compile) for low in lowered]:
                 future.result()
