@@ -203,31 +203,29 @@ class ModelRunner:
         return arrays, decode_only, s
 
     # ------------------------------------------------------------ execution
-    def _launch(self, arrays: dict, decode_only: bool, prompt_targets=None):
-        if prompt_targets is not None:
-            arrays = dict(arrays, prompt_targets=prompt_targets)
-        arrays = jax.device_put(arrays, self._replicated)   # one transfer
+    def _step_args(self, arrays: dict, decode_only: bool) -> tuple:
+        """The step's arguments for host `arrays`, transferred in one device_put. The
+        warm-up lowers with these very arguments, so its programs are the ones called."""
+        arrays = jax.device_put(arrays, self._replicated)
         md = AttentionMetadata(
             slot_mapping=arrays["slot_mapping"], block_tables=arrays["block_tables"],
             seq_lens=arrays["seq_lens"], query_start_loc=arrays["query_start_loc"],
             decode_only=decode_only)
-        args = (self._token_buf, arrays["input_ids"], arrays["positions"], md,
-                arrays["logits_indices"])
+        args = (self._leaves, self.kv_caches, self._token_buf, arrays["input_ids"],
+                arrays["positions"], md, arrays["logits_indices"])
+        return args + ((arrays["prompt_targets"],) if "prompt_targets" in arrays else ())
+
+    def _launch(self, arrays: dict, decode_only: bool, prompt_targets=None):
         if prompt_targets is not None:
-            logits, self.kv_caches, prompt = self._step_prompt(
-                self._leaves, self.kv_caches, *args, arrays["prompt_targets"])
+            args = self._step_args(dict(arrays, prompt_targets=prompt_targets), decode_only)
+            logits, self.kv_caches, prompt = self._step_prompt(*args)
             return logits, prompt
-        logits, self.kv_caches = self._step(self._leaves, self.kv_caches, *args)
+        logits, self.kv_caches = self._step(*self._step_args(arrays, decode_only))
         return logits
 
     def _sample_step(self, logits, md, flags) -> SamplerOutput:
         out, self._token_buf = self._sample(logits, md, flags, self._token_buf)
         return out
-
-    def execute(self, scheduler_output, requests: dict, fallback_seeds: dict):
-        """Run one step and wait for it: (id -> SampleResult, prompt logprobs)."""
-        handle = self.execute_model(scheduler_output, requests, fallback_seeds)
-        return self.get_output(handle) if handle is not None else ({}, {})
 
     def execute_model(self, scheduler_output, requests: dict,
                       fallback_seeds: dict) -> StepHandle | None:
@@ -337,15 +335,9 @@ class ModelRunner:
     def _lower_step(self, t: int, s: int, decode_only: bool):
         """Lower the step for one bucket with the very arguments a real call passes,
         so its compiled form lands in jit's cache."""
-        x = jax.device_put(self._dummy_arrays(t, s), self._replicated)
-        md = AttentionMetadata(
-            slot_mapping=x["slot_mapping"], block_tables=x["block_tables"],
-            seq_lens=x["seq_lens"], query_start_loc=x["query_start_loc"],
-            decode_only=decode_only)
-        return self._step.lower(self._leaves, self.kv_caches, self._token_buf, x["input_ids"],
-                                x["positions"], md, x["logits_indices"])
+        return self._step.lower(*self._step_args(self._dummy_arrays(t, s), decode_only))
 
-    def warm_up(self, max_workers: int | None = None) -> float:
+    def warm_up(self) -> float:
         """Compile every bucket shape (model step and each sampler variant), several
         at once: XLA compiles outside the GIL, so threads cut the start-up time.
         Lowering (Python) stays in this thread, in a fixed order, so the programs and
@@ -359,7 +351,7 @@ class ModelRunner:
                                     self._replicated)
             lowered += [self._sample.lower(logits, _dummy_sampling_md(s), flags, self._token_buf)
                         for flags in _sampler_variants()]
-        workers = max_workers or min(len(lowered), os.cpu_count() or 1, 16)
+        workers = min(len(lowered), os.cpu_count() or 1, 16)
         with ThreadPoolExecutor(workers) as pool:
             for future in [pool.submit(low.compile) for low in lowered]:
                 future.result()
