@@ -20,7 +20,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import common
 from pallas_kernels.ragged_paged_attention import ref_ragged_paged_attention
@@ -81,61 +80,18 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, *, sm_sc
         name="paged_attention_decode",
     )(block_tables, seq_lens, q2, k_cache.reshape(hkv, nb * bs, d),
       v_cache.reshape(hkv, nb * bs, d))
-    if ns == 1:
-        out = o[0]
-    else:
-        out = combine_splits(o, lse, out_dtype=q.dtype, interpret=interpret)
+    out = o[0] if ns == 1 else combine_splits(o, lse)
     return out.reshape(num_seqs, hq, d).astype(q.dtype)
 
 
-def ref_combine_splits(o, lse, *, out_dtype=jnp.float32):
-    """o [NS, R, D] (each split normalized), lse [NS, R] (log2, -inf if empty) -> [R, D]
-    in ``out_dtype``; a row whose splits are all empty gives zeros."""
+def combine_splits(o, lse):
+    """o [NS, R, D] (each split normalized), lse [NS, R] (log2, -inf if empty) -> [R, D]."""
     mx = lse.max(axis=0)
     mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
     w = jnp.exp2(lse - mx)
     den = w.sum(axis=0)
     num = jnp.einsum("nr,nrd->rd", w, o.astype(jnp.float32))
-    return (num / jnp.where(den == 0.0, 1.0, den)[:, None]).astype(out_dtype)
-
-
-@functools.partial(jax.jit, static_argnames=("out_dtype", "rows_per_program", "num_warps",
-                                             "interpret"))
-def combine_splits(o, lse, *, out_dtype=jnp.float32, rows_per_program=16, num_warps=4,
-                   interpret=False):
-    """Same contract as ``ref_combine_splits``: one kernel where XLA's version of it
-    launches three (exp, reduce, divide) per layer of a small-batch decode step."""
-    ns, r, d = o.shape
-    rpp, dp = rows_per_program, common.next_pow2(d)
-    full = lambda x: pl.BlockSpec(x.shape, lambda i: (0,) * x.ndim)  # noqa: E731
-    return common.pallas_call(
-        functools.partial(_combine_kernel, ns=ns, d=d, dp=dp, rpp=rpp),
-        grid=(common.cdiv(r, rpp),),
-        in_specs=[full(o), full(lse)],
-        out_specs=pl.BlockSpec((r, d), lambda i: (0, 0)),
-        out_shape=jax.ShapeDtypeStruct((r, d), out_dtype),
-        num_warps=num_warps, num_stages=1, interpret=interpret, name="combine_splits",
-    )(o, lse)
-
-
-def _combine_kernel(o_ref, lse_ref, out_ref, *, ns, d, dp, rpp):
-    rows = pl.program_id(0) * rpp + jnp.arange(rpp)
-    ok = rows < out_ref.shape[0]
-    rows = jnp.where(ok, rows, 0)
-
-    def body(n, carry):   # online log-sum-exp over the splits (log2 domain)
-        m, den, acc = carry
-        lse = plgpu.load(lse_ref.at[n, rows], mask=ok, other=-jnp.inf)
-        m_new = jnp.maximum(m, lse)
-        alpha, w = jnp.exp2(m - m_new), jnp.exp2(lse - m_new)
-        o = common.load_rows(o_ref, rows, d, dp, ok, lead=(n,)).astype(jnp.float32)
-        return m_new, den * alpha + w, acc * alpha[:, None] + o * w[:, None]
-
-    # MASK (finite) start: an empty split (-inf) weighs exp2(-inf) = 0, never NaN.
-    init = (jnp.full((rpp,), common.MASK, jnp.float32), jnp.zeros((rpp,), jnp.float32),
-            jnp.zeros((rpp, dp), jnp.float32))
-    _, den, acc = lax.fori_loop(0, ns, body, init)
-    common.store_rows(out_ref, rows, acc / jnp.where(den == 0.0, 1.0, den)[:, None], d, ok)
+    return num / jnp.where(den == 0.0, 1.0, den)[:, None]
 
 
 def _decode_kernel(bt_ref, lens_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, hq, g, gp, d,

@@ -16,9 +16,6 @@ from flax import nnx
 from jaxllm.layers.attention import AttentionMetadata, AttentionSpec, paged_attention
 from jaxllm.layers.rotary import apply_rotary, inv_frequencies
 from jaxllm.models.registry import ArchConfig
-from jaxllm.parallel.mesh import tp_size
-from pallas_kernels.rms_norm import (fused_add_rms_norm, ref_fused_add_rms_norm, ref_rms_norm,
-                                     rms_norm)
 
 nnx.use_eager_sharding(False)
 
@@ -33,26 +30,14 @@ def _ones(shape, dtype, axes):
 
 
 class RMSNorm(nnx.Module):
-    """``norm(x)``, or with a residual (vLLM's convention) ``norm(x, residual)`` ->
-    (rms_norm(x + residual), x + residual). With ``spec.backend == "pallas"`` on one
-    device the [T, E] forms run as one Pallas kernel each (pallas_kernels/rms_norm.py);
-    otherwise, and for the per-head q/k norms, as their jnp twins."""
-
     def __init__(self, dim: int, eps: float, dtype):
         self.weight = _ones((dim,), dtype, ("norm",))
         self.eps = eps
 
-    def __call__(self, x, residual=None, spec: AttentionSpec | None = None):
-        w = self.weight[...]
-        kernel = (spec is not None and spec.backend == "pallas" and x.ndim == 2
-                  and tp_size(spec.mesh) <= 1)
-        if residual is None:
-            if kernel:
-                return rms_norm(x, w, self.eps, interpret=spec.interpret)
-            return ref_rms_norm(x, w, self.eps)
-        if kernel:
-            return fused_add_rms_norm(x, residual, w, self.eps, interpret=spec.interpret)
-        return ref_fused_add_rms_norm(x, residual, w, self.eps)
+    def __call__(self, x):
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return (xf * self.weight[...].astype(jnp.float32)).astype(x.dtype)
 
 
 class Attention(nnx.Module):
@@ -105,20 +90,14 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, dtype, rngs)
 
-    def __call__(self, x, residual, positions, k_cache, v_cache, md, spec):
-        """x: this layer's input; residual: the stream before it (None at layer 0).
-        Returns (the MLP's output, the residual stream, k_cache, v_cache): the last add
-        happens in the next layer's (or the final) norm, fused with it."""
-        if residual is None:
-            x, residual = self.input_layernorm(x, spec=spec), x
-        else:
-            x, residual = self.input_layernorm(x, residual, spec)
+    def __call__(self, x, positions, k_cache, v_cache, md, spec):
         with jax.named_scope("attn"):
-            x, k_cache, v_cache = self.self_attn(x, positions, k_cache, v_cache, md, spec)
-        x, residual = self.post_attention_layernorm(x, residual, spec)
+            h, k_cache, v_cache = self.self_attn(
+                self.input_layernorm(x), positions, k_cache, v_cache, md, spec)
+        x = x + h
         with jax.named_scope("mlp"):
-            x = self.mlp(x)
-        return x, residual, k_cache, v_cache
+            x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, k_cache, v_cache
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -137,15 +116,14 @@ class LlamaForCausalLM(nnx.Module):
         """input_ids, positions: i32[T]; kv_caches: list of (k, v) [K, NB, BS, D] per
         layer. Returns (hidden [T, E], new kv_caches)."""
         x = jnp.take(self.embed_tokens[...], input_ids, axis=0)
-        residual, new_caches = None, []
+        new_caches = []
         # Layers unrolled in Python: each has its own weight arrays, so XLA never
         # slices a stacked weight per step (measured faster than lax.scan on GPU).
         for i, layer in enumerate(self.layers):
             with jax.named_scope(f"layer{i}"):
-                x, residual, k_cache, v_cache = layer(x, residual, positions, *kv_caches[i],
-                                                      md, spec)
+                x, k_cache, v_cache = layer(x, positions, *kv_caches[i], md, spec)
             new_caches.append((k_cache, v_cache))
-        return self.norm(x, residual, spec)[0], new_caches
+        return self.norm(x), new_caches
 
     def compute_logits(self, hidden):
         """hidden: [S, E] -> float32 logits [S, V]."""

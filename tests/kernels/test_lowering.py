@@ -8,10 +8,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels.paged_attention_decode import combine_splits, paged_attention_decode
+from pallas_kernels.paged_attention_decode import paged_attention_decode
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 from pallas_kernels.reshape_and_cache import reshape_and_cache
-from pallas_kernels.rms_norm import fused_add_rms_norm, rms_norm
 
 SD = jax.ShapeDtypeStruct
 BF16, FP8, I32 = jnp.bfloat16, jnp.float8_e4m3fn, jnp.int32
@@ -70,21 +69,3 @@ def test_kv_write_lowers(hkv, d, dtype):
     x = SD((256, hkv, d), BF16)
     fn = functools.partial(reshape_and_cache, k_scale=0.5, v_scale=0.5)
     assert "triton" in lower_for_cuda(fn, x, x, pool, pool, SD((256,), I32))
-
-
-@pytest.mark.parametrize("rows,e,fused", [(8, 4096, True), (8192, 4096, True),
-                                          (17, 576, True), (8, 4096, False)])
-def test_rms_norm_lowers(rows, e, fused):
-    x, w = SD((rows, e), BF16), SD((e,), BF16)
-    if fused:
-        fn = functools.partial(fused_add_rms_norm, eps=1e-5)
-        assert "triton" in lower_for_cuda(fn, x, x, w)
-    else:
-        assert "triton" in lower_for_cuda(functools.partial(rms_norm, eps=1e-5), x, w)
-
-
-@pytest.mark.parametrize("ns,rows,d", [(16, 256, 128), (5, 27, 80)])
-def test_combine_splits_lowers(ns, rows, d):
-    fn = functools.partial(combine_splits, out_dtype=BF16)
-    assert "triton" in lower_for_cuda(fn, SD((ns, rows, d), jnp.float32),
-                                      SD((ns, rows), jnp.float32))
