@@ -28,6 +28,22 @@ def paged_attention(q, k, v, k_cache, v_cache, md, spec):
     return out, k_cache, v_cache
 
 
+def decode_qkv(qkv, k_cache, v_cache, md, spec, num_q_heads):
+    """A decode-only step in the runner's layout (token i = sequence i) on the fused
+    [T, Hq + 2 Hkv, D] q/k/v array: the KV write and the decode kernel read their rows
+    in place. Returns (out [T, Hq, D], k_cache, v_cache)."""
+    hkv = k_cache.shape[0]
+    k_cache, v_cache = reshape_and_cache(qkv, qkv, k_cache, v_cache, md.slot_mapping,
+                                         spec.k_scale, spec.v_scale,
+                                         head_offsets=(num_q_heads, num_q_heads + hkv),
+                                         interpret=spec.interpret)
+    out = paged_attention_decode(qkv, k_cache, v_cache, md.block_tables, md.seq_lens,
+                                 sm_scale=spec.sm_scale, sliding_window=spec.sliding_window,
+                                 k_scale=spec.k_scale, v_scale=spec.v_scale,
+                                 num_q_heads=num_q_heads, interpret=spec.interpret)
+    return out, k_cache, v_cache
+
+
 def _decode(q, k_cache, v_cache, md, kw):
     num_tokens, num_seqs = q.shape[0], md.seq_lens.shape[0]
     if num_tokens == num_seqs:

@@ -15,13 +15,19 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import common
 
 
-def ref_reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0):
+def ref_reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0, *,
+                          head_offsets=None):
     """k, v: [T, Hkv, D]; k_cache, v_cache: [Hkv, NB, BS, D]; slot_mapping: i32[T].
 
     A negative slot (padding) writes nothing. With an fp8 cache the values are divided
-    by their scale before the cast. Returns the updated (k_cache, v_cache).
+    by their scale before the cast. ``head_offsets=(kh, vh)``: k and v are one wider
+    array (e.g. the fused [T, Hq + 2 Hkv, D] q/k/v) whose heads kh.. and vh.. are the
+    keys and values. Returns the updated (k_cache, v_cache).
     """
     hkv, nb, bs, d = k_cache.shape
+    if head_offsets is not None:
+        kh, vh = head_offsets
+        k, v = k[:, kh:kh + hkv], v[:, vh:vh + hkv]
     num_slots = nb * bs
     # Out-of-range index + mode="drop" = no write, without a branch.
     idx = jnp.where(slot_mapping < 0, num_slots, slot_mapping)
@@ -45,16 +51,20 @@ def _is_fp8(dtype) -> bool:
 # aliased to the output, so the write is in place (XLA copies only if the caller did
 # not donate the pool).
 
-@functools.partial(jax.jit, static_argnames=("k_scale", "v_scale", "tokens_per_program",
-                                             "num_warps", "interpret"))
+@functools.partial(jax.jit, static_argnames=("k_scale", "v_scale", "head_offsets",
+                                             "tokens_per_program", "num_warps", "interpret"))
 def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0, *,
-                      tokens_per_program=None, num_warps=4, interpret=False):
-    """Same contract as ``ref_reshape_and_cache``; the scales are static floats."""
-    num_tokens, hkv, d = k.shape
-    _, nb, bs, _ = k_cache.shape
+                      head_offsets=None, tokens_per_program=None, num_warps=4,
+                      interpret=False):
+    """Same contract as ``ref_reshape_and_cache``; the scales are static floats. With
+    ``head_offsets`` the rows are read in place from the wider array."""
+    num_tokens, stride, d = k.shape
+    hkv, nb, bs, _ = k_cache.shape
+    k_off, v_off = head_offsets or (0, 0)
     hp, dp = common.next_pow2(hkv), common.next_pow2(d)
     tpp = tokens_per_program or max(1, 64 // hp)
-    kernel = functools.partial(_write_kernel, hkv=hkv, hp=hp, d=d, dp=dp, tpp=tpp,
+    kernel = functools.partial(_write_kernel, hkv=hkv, hp=hp, stride=stride, k_off=k_off,
+                               v_off=v_off, d=d, dp=dp, tpp=tpp,
                                num_slots=nb * bs, fp8=_is_fp8(k_cache.dtype),
                                k_scale=k_scale, v_scale=v_scale)
     rows = lambda x: x.reshape(-1, d)  # noqa: E731
@@ -74,8 +84,8 @@ def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale
     return kc.reshape(k_cache.shape), vc.reshape(v_cache.shape)
 
 
-def _write_kernel(slot_ref, k_ref, v_ref, kc_in, vc_in, kc_ref, vc_ref, *, hkv, hp, d, dp,
-                  tpp, num_slots, fp8, k_scale, v_scale):
+def _write_kernel(slot_ref, k_ref, v_ref, kc_in, vc_in, kc_ref, vc_ref, *, hkv, hp, stride,
+                  k_off, v_off, d, dp, tpp, num_slots, fp8, k_scale, v_scale):
     del kc_in, vc_in  # aliased to kc_ref, vc_ref
     r = jnp.arange(tpp * hp)
     tok = pl.program_id(0) * tpp + lax.div(r, hp)
@@ -83,10 +93,11 @@ def _write_kernel(slot_ref, k_ref, v_ref, kc_in, vc_in, kc_ref, vc_ref, *, hkv, 
     tok_ok = tok < slot_ref.shape[0]
     slot = plgpu.load(slot_ref.at[jnp.where(tok_ok, tok, 0)], mask=tok_ok, other=-1)
     ok = tok_ok & (head < hkv) & (slot >= 0)
-    src = jnp.where(ok, tok * hkv + head, 0)
+    src = jnp.where(ok, tok * stride + head, 0)
     dst = head * num_slots + slot
-    for x_ref, c_ref, scale in ((k_ref, kc_ref, k_scale), (v_ref, vc_ref, v_scale)):
-        x = common.load_rows(x_ref, src, d, dp, ok)
+    for x_ref, c_ref, off, scale in ((k_ref, kc_ref, k_off, k_scale),
+                                     (v_ref, vc_ref, v_off, v_scale)):
+        x = common.load_rows(x_ref, src + off, d, dp, ok)
         if fp8:
             x = x.astype(jnp.float32) / scale
         common.store_rows(c_ref, dst, x, d, ok)

@@ -69,6 +69,20 @@ def paged_attention(q, k, v, k_cache, v_cache, md: AttentionMetadata, spec: Atte
     return out, k_cache, v_cache
 
 
+def paged_attention_qkv(qkv, k_cache, v_cache, md: AttentionMetadata, spec: AttentionSpec,
+                        num_q_heads: int):
+    """``paged_attention`` on a fused q/k/v array: qkv [T, Hq + 2 Hkv, D] (RoPE applied),
+    the q, k and v heads in that order; one device (no tensor parallelism). The Pallas
+    decode path reads the three in place, so XLA writes the array once (one fusion:
+    RoPE and the matmul's split-K sum) instead of three slices."""
+    hkv = (qkv.shape[1] - num_q_heads) // 2
+    if spec.backend == "pallas" and md.decode_only and qkv.shape[0] == md.seq_lens.shape[0]:
+        from pallas_kernels import dispatch
+        return dispatch.decode_qkv(qkv, k_cache, v_cache, md, spec, num_q_heads)
+    q, k, v = jnp.split(qkv, [num_q_heads, num_q_heads + hkv], axis=1)
+    return paged_attention(q, k, v, k_cache, v_cache, md, spec)
+
+
 def _pallas(q, k, v, k_cache, v_cache, md, spec):
     # Imported lazily: the kernels module pulls in Pallas/Triton lowering machinery.
     from pallas_kernels import dispatch

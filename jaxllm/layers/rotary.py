@@ -27,12 +27,17 @@ def inv_frequencies(head_dim: int, theta: float, rope_scaling: tuple | None) -> 
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def apply_rotary(x, positions, inv_freq):
-    """x: [T, H, D]; positions: i32[T]; inv_freq: f32[D/2] -> [T, H, D] in x's dtype."""
+def apply_rotary(x, positions, inv_freq, num_rotated: int | None = None):
+    """x: [T, H, D]; positions: i32[T]; inv_freq: f32[D/2] -> [T, H, D] in x's dtype.
+    ``num_rotated``: only heads 0..num_rotated-1 turn (the q and k heads of a fused
+    q/k/v array; the v heads pass through unchanged)."""
     freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]   # [T, D/2]
     cos = jnp.cos(freqs)[:, None, :]
     sin = jnp.sin(freqs)[:, None, :]
     xf = x.astype(jnp.float32)
     x1, x2 = jnp.split(xf, 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    if num_rotated is not None and num_rotated < x.shape[1]:
+        turn = (jnp.arange(x.shape[1]) < num_rotated)[None, :, None]
+        out = jnp.where(turn, out, xf)
     return out.astype(x.dtype)

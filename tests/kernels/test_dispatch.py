@@ -48,3 +48,21 @@ def test_pallas_backend_matches_reference(layout):
     got = run(lambda *a: paged_attention(*a, md, pallas_spec), q, k, v, *caches)
     assert_close(got[0], want[0])
     assert same_bits(got[1], want[1]) and same_bits(got[2], want[2])
+
+
+@pytest.mark.parametrize("backend", ["reference", "pallas"])
+@pytest.mark.parametrize("num_tokens", [4, 6])
+def test_fused_qkv_matches_separate_q_k_v(backend, num_tokens):
+    """paged_attention_qkv on [T, Hq + 2 Hkv, D] gives what paged_attention gives on its
+    three slices: the pallas decode path reads q, k and v in place from the fused array
+    (4 tokens: the runner's decode layout; 6: padded tokens take the sliced path)."""
+    from jaxllm.layers.attention import paged_attention_qkv
+    c = make_case(1, q_lens=[1, 1, 1, 0], kv_lens=[30, 1, 47, 0], hq=8, hkv=2, d=64, bs=16)
+    q, k, v, md = _step(c, True, num_tokens=num_tokens)
+    spec = AttentionSpec(sm_scale=0.3, backend=backend, interpret=backend == "pallas")
+    caches = (c.k_cache, c.v_cache)
+    want = paged_attention(q, k, v, *caches, md, AttentionSpec(sm_scale=0.3))
+    qkv = jnp.concatenate([q, k, v], axis=1)
+    got = run(lambda x, kc, vc: paged_attention_qkv(x, kc, vc, md, spec, 8), qkv, *caches)
+    assert_close(got[0], want[0])
+    assert same_bits(got[1], want[1]) and same_bits(got[2], want[2])

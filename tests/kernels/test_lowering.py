@@ -69,3 +69,15 @@ def test_kv_write_lowers(hkv, d, dtype):
     x = SD((256, hkv, d), BF16)
     fn = functools.partial(reshape_and_cache, k_scale=0.5, v_scale=0.5)
     assert "triton" in lower_for_cuda(fn, x, x, pool, pool, SD((256,), I32))
+
+
+def test_fused_qkv_decode_path_lowers():
+    """The decode step's path on a fused [T, Hq + 2 Hkv, D] array (KV write and decode
+    kernel reading their rows in place)."""
+    hq, hkv, d = 32, 8, 128
+    qkv = SD((64, hq + 2 * hkv, d), BF16)
+    pool = SD((hkv, 4000, 16, d), BF16)
+    write = functools.partial(reshape_and_cache, head_offsets=(hq, hq + hkv))
+    assert "triton" in lower_for_cuda(write, qkv, qkv, pool, pool, SD((64,), I32))
+    decode = functools.partial(paged_attention_decode, sm_scale=0.1, num_q_heads=hq)
+    assert "triton" in lower_for_cuda(decode, qkv, pool, pool, SD((64, 64), I32), SD((64,), I32))

@@ -67,3 +67,15 @@ def test_combine_splits_ignores_empty_splits():
     # weights 2^0 : 2^1
     assert jnp.allclose(out, jnp.array([[(1 + 2 * 5) / 3, (2 + 2 * 6) / 3]]))
     assert (combine_splits(o[2:], lse[2:]) == 0).all()
+
+
+def test_num_q_heads_reads_the_queries_in_place_from_a_fused_array():
+    c = _decode_case(4, hq=8, hkv=2, d=64, bs=16)
+    q, *rest = _args(c)
+    extra = jnp.full((q.shape[0], 4, q.shape[2]), jnp.nan, q.dtype)   # k/v heads: unused
+    fused = jnp.concatenate([q, extra], axis=1)
+    want = ref_paged_attention_decode(q, *rest, sm_scale=0.3)
+    got = run(functools.partial(paged_attention_decode, sm_scale=0.3, num_q_heads=8,
+                                k_splits=2, interpret=True), fused, *rest)
+    assert_close(got, want)
+    assert_close(ref_paged_attention_decode(fused, *rest, sm_scale=0.3, num_q_heads=8), want)

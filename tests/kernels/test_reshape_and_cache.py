@@ -47,3 +47,24 @@ def test_writes_exactly_the_mapped_slots(name):
     untouched[slots[live]] = False
     for new, old in ((new_k, k_cache), (new_v, v_cache)):
         assert same_bits(flat(new)[:, untouched], flat(old)[:, untouched])
+
+
+@pytest.mark.parametrize("tpp", [None, 3])
+def test_head_offsets_read_k_and_v_in_place_from_a_fused_array(tpp):
+    """k and v given as one [T, Hq + 2 Hkv, D] array with head offsets write exactly
+    what the separate k and v arrays write."""
+    hq, hkv, d, bs, nb, num_tokens = 6, 2, 64, 16, 5, 11
+    rng = np.random.default_rng(3)
+    qkv = jnp.asarray(rng.standard_normal((num_tokens, hq + 2 * hkv, d)), jnp.float32)
+    cache = jnp.full((hkv, nb, bs, d), jnp.nan, jnp.float32)
+    slots = rng.choice(np.arange(bs, nb * bs), num_tokens, replace=False).astype(np.int32)
+    slots[2] = -1
+    slots = jnp.asarray(slots)
+    k, v = qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
+    want = ref_reshape_and_cache(k, v, cache, cache, slots)
+    offsets = (hq, hq + hkv)
+    got = run(functools.partial(reshape_and_cache, head_offsets=offsets, tokens_per_program=tpp,
+                                interpret=True), qkv, qkv, cache, cache, slots)
+    ref = ref_reshape_and_cache(qkv, qkv, cache, cache, slots, head_offsets=offsets)
+    for g, w, r in zip(got, want, ref):
+        assert same_bits(g, w) and same_bits(r, w)
