@@ -103,6 +103,9 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
+    # vLLM's flag: run the engine in a thread of the server process, not in its own
+    # process (the server's event loop and the engine then share one GIL).
+    disable_frontend_multiprocessing: bool = False
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:

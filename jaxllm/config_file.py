@@ -244,13 +244,20 @@ def gguf_hf_config(path: str) -> dict:
     return GGUFFile.hf_config(header)
 
 
+def check_model(config: EngineConfig):
+    """The checks against the model's shape (config.json or GGUF metadata; no jax).
+    Returns the ArchConfig."""
+    arch, source = read_model_arch(config.model.model, config.model.load_format)
+    check_against_model(config, arch, source)
+    return arch
+
+
 def prepare_launch(config: EngineConfig):
     """Everything to do before the weights load: the compile cache, then the checks
     against the model's shape and the devices present. Returns the ArchConfig."""
     from jaxllm import compilation_cache
     compilation_cache.enable(config.compilation_cache_dir)
-    arch, source = read_model_arch(config.model.model, config.model.load_format)
-    check_against_model(config, arch, source)
+    arch = check_model(config)
     import jax
 
     from jaxllm.parallel import distributed

@@ -4,13 +4,18 @@ The model runner's launch and read-back are replaced by a fake device that takes
 `--device-ms` per step (steps run in order, like a GPU stream) and samples a made-up
 token, so what is timed is the host: scheduling, input preparation, sampling
 metadata, output building, detokenization, and (with --serve) the HTTP/SSE path of
-`jaxllm serve` with a `jaxllm bench serve` client. Runs on the CPU.
+`jaxllm serve` with a `jaxllm bench serve` client, over the engine in a thread of
+the server (AsyncLLMEngine) and/or in a process of its own (MPAsyncLLMEngine, the
+default of `jaxllm serve`; its engine process gets the same fake device). Runs on
+the CPU.
 
     python scripts/bench_host.py --batch 256 --device-ms 15 --serve
+    python scripts/bench_host.py --serve --serve-engine process --skip-offline
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import subprocess
 import sys
@@ -58,6 +63,11 @@ def fake_device(runner, device_ms: float):
     runner.execute_model, runner.get_output = execute_model, get_output
 
 
+def fake_engine_device(engine, device_ms: float):
+    """MPAsyncLLMEngine's setup hook: the fake device, in the engine process."""
+    fake_device(engine.runner, device_ms)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=256)
@@ -65,6 +75,9 @@ def main():
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--device-ms", type=float, default=15.0)
     ap.add_argument("--serve", action="store_true")
+    ap.add_argument("--serve-engine", choices=("thread", "process", "both"), default="both",
+                    help="--serve over the in-thread engine, the engine process, or both")
+    ap.add_argument("--skip-offline", action="store_true", help="only the --serve part")
     args = ap.parse_args()
     import json
     from jaxllm import LLM, SamplingParams
@@ -80,7 +93,8 @@ def main():
     rng = np.random.default_rng(0)
     prompts = [{"prompt_token_ids": rng.integers(100, 1000, 64).tolist()}
                for _ in range(args.requests)]
-    for kind in (RequestOutputKind.FINAL_ONLY, RequestOutputKind.CUMULATIVE):
+    for kind in () if args.skip_offline else (RequestOutputKind.FINAL_ONLY,
+                                              RequestOutputKind.CUMULATIVE):
         params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True,
                                 output_kind=kind)
         steps, t0 = 0, time.perf_counter()
@@ -93,14 +107,49 @@ def main():
         print(f"offline, {kind.name} outputs: {t:.2f} s, {1000 * t / steps:.2f} ms per step "
               f"({steps} steps; the device alone: {args.device_ms} ms), "
               f"{args.requests * args.output_len / t:.0f} out tok/s", flush=True)
-    if args.serve:
-        serve(engine, folder, args)
-
-
-def serve(engine, folder, args):
+    if not args.serve:
+        return
     from jaxllm.engine.async_engine import AsyncLLMEngine
-    from jaxllm.entrypoints.openai.api_server import build_app, serve_in_background
-    app = build_app(AsyncLLMEngine(engine), engine.config)
+    from jaxllm.engine.core_client import MPAsyncLLMEngine
+    if args.serve_engine in ("thread", "both"):
+        serve(lambda: AsyncLLMEngine(engine), engine.config, folder, args, "engine thread")
+    if args.serve_engine in ("process", "both"):
+        setup = functools.partial(fake_engine_device, device_ms=args.device_ms)
+        serve(lambda: MPAsyncLLMEngine(engine.config, setup=setup), engine.config, folder,
+              args, "engine process")
+
+
+def serve(make_engine, config, folder, args, label: str):
+    from jaxllm.entrypoints.openai.api_server import build_app
+    async_engine = make_engine()
+    process = getattr(async_engine, "process", None)
+    try:
+        before = cpu_seconds(process)
+        _serve(build_app(async_engine, config), folder, args, label)
+        used = [b - a for a, b in zip(before, cpu_seconds(process))]
+        print(f"CPU seconds: server process {used[0]:.1f}"
+              + (" (engine thread included)" if process is None else
+                 f", engine process {used[1]:.1f}") + f", client {used[2]:.1f}")
+    finally:
+        async_engine.shutdown()
+
+
+def cpu_seconds(process) -> tuple[float, float, float]:
+    """CPU time (user + system) of this process, of the engine process (if any),
+    and of the waited-for children (the benchmark client)."""
+    import resource
+    own, children = (resource.getrusage(who) for who in
+                     (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    engine = 0.0
+    if process is not None:
+        with open(f"/proc/{process.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        engine = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return own.ru_utime + own.ru_stime, engine, children.ru_utime + children.ru_stime
+
+
+def _serve(app, folder, args, label: str):
+    from jaxllm.entrypoints.openai.api_server import serve_in_background
     with serve_in_background(app) as url:
         port = url.rstrip("/").rsplit(":", 1)[1]
         t0 = time.perf_counter()
@@ -111,7 +160,7 @@ def serve(engine, folder, args):
             capture_output=True, text=True)
         t = time.perf_counter() - t0
     keep = ("Benchmark duration", "Output token throughput", "Mean TPOT")
-    print(f"serve (client in another process), wall {t:.1f} s")
+    print(f"serve, {label} (client in another process), wall {t:.1f} s")
     print("\n".join(line for line in out.stdout.splitlines() if line.startswith(keep)))
     if out.returncode:
         print(out.stderr[-800:])

@@ -49,6 +49,8 @@ ENGINE_HELP = {
     "host": "address to listen on",
     "port": "port to listen on",
     "api_key": "require this key as a Bearer token on /v1 routes",
+    "disable_frontend_multiprocessing": "run the engine in a thread of the server process "
+                                        "instead of its own process (they then share the GIL)",
     "attention_backend": "auto (pallas on GPU, reference on CPU) | pallas | reference",
     "compilation_cache_dir": "persistent XLA compilation cache folder; none turns it off",
     "enforce_eager": "skip compiling every bucket at warm-up (quicker start, slower first steps)",
@@ -196,8 +198,13 @@ def _subparser(parser, args):
 
 # ---------------------------------------------------------------- launching
 
-def launch_config(args):
-    """(EngineConfig, ArchConfig): the settings merged and checked, weights not read."""
+def launch_config(args, engine_process: bool = False):
+    """(EngineConfig, ArchConfig): the settings merged and checked, weights not read.
+
+    engine_process: `serve`, whose engine runs in a process of its own that prepares
+    the launch itself (jax.distributed, the devices). Here only the checks that need
+    no jax run, so the server process never starts a backend (on a GPU it would take
+    the engine's memory; multi-host, it would hold the coordinator)."""
     from jaxllm import config_file
     flags = {k: v for k, v in vars(args).items() if k in FLAT_KEYS}
     if args.model_path is not None:
@@ -206,6 +213,9 @@ def launch_config(args):
                               f"{flags['model']!r}); keep one")
         flags["model"] = args.model_path
     config = config_file.build_config(args.config, flags, LAUNCH_DEFAULTS)
+    if engine_process and config.parallel.process_id == 0 \
+            and not config.server.disable_frontend_multiprocessing:
+        return config, config_file.check_model(config)
     arch = config_file.prepare_launch(config)
     if config.parallel.process_id != 0:
         # Multi-host: processes other than 0 only follow the steps process 0 sends.
@@ -238,7 +248,7 @@ def report_cache() -> None:
 
 
 def cmd_serve(args) -> int:
-    config, _ = launch_config(args)
+    config, _ = launch_config(args, engine_process=True)
     from jaxllm.entrypoints.openai.api_server import run_server
     run_server(config)
     return 0

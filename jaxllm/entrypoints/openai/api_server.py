@@ -1,4 +1,6 @@
-"""The OpenAI-compatible HTTP server: a Starlette app over an AsyncLLMEngine.
+"""The OpenAI-compatible HTTP server: a Starlette app over an AsyncLLMEngine, or an
+MPAsyncLLMEngine (the same API, the engine in its own process: `jaxllm serve`'s
+default; --disable-frontend-multiprocessing keeps it in a thread of this process).
 
     run_server(config)                       # what `jaxllm serve` calls
     app = build_app(AsyncLLMEngine(engine), config)
@@ -29,6 +31,7 @@ from starlette.routing import Route
 import jaxllm
 from jaxllm.config import EngineConfig
 from jaxllm.engine.async_engine import AsyncLLMEngine
+from jaxllm.engine.core_client import MPAsyncLLMEngine
 from jaxllm.entrypoints.openai.errors import EXCEPTION_HANDLERS, APIError, bad_request, engine_dead
 from jaxllm.entrypoints.openai.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, parse_request)
@@ -38,14 +41,16 @@ from jaxllm.entrypoints.openai.serving_models import OpenAIServingModels
 from jaxllm.metrics import StatLogger
 
 
-def build_app(engine: AsyncLLMEngine, config: EngineConfig, *,
+def build_app(engine: AsyncLLMEngine | MPAsyncLLMEngine, config: EngineConfig, *,
               log_stats_interval: float = 5.0) -> Starlette:
     """The app: routes, OpenAI-shaped errors, --api-key on /v1, the stats log."""
-    llm = engine.engine
-    # The engine thread decodes with its tokenizer; the event loop gets its own copy,
+    llm = engine.engine   # an LLMEngine, or the EngineInfo an engine process sent
+    # An engine thread decodes with its tokenizer; the event loop gets its own copy,
     # since a Rust tokenizer used from two threads can fail with "Already borrowed".
     # The copy carries the chat template, --chat-template's if given (the engine loads it).
-    tokenizer = copy.deepcopy(llm.tokenizer)
+    # An engine process sent a copy already.
+    tokenizer = llm.tokenizer if isinstance(engine, MPAsyncLLMEngine) else \
+        copy.deepcopy(llm.tokenizer)
     names = config.model.served_model_name or (llm.model_name,)
     models = OpenAIServingModels(names, config.model.model or names[0], llm.max_model_len)
     chat = OpenAIServingChat(engine, models, tokenizer)
@@ -123,7 +128,8 @@ def run_server(config: EngineConfig, *, log_stats_interval: float = 5.0) -> None
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = AsyncLLMEngine.from_config(config)
+    in_thread = config.server.disable_frontend_multiprocessing
+    engine = (AsyncLLMEngine if in_thread else MPAsyncLLMEngine).from_config(config)
     try:
         app = build_app(engine, config, log_stats_interval=log_stats_interval)
         # Open streams get a few seconds to finish on Ctrl-C, then are cut.
