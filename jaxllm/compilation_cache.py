@@ -1,7 +1,10 @@
 """The persistent XLA compilation cache: a second start of the same config loads its
 compiled steps from disk instead of compiling them again.
 
-`enable(path)` must run before the first jax compilation of the process.
+`enable(path)` must run before the first jax compilation of the process. The same
+folder holds the runner's executable store (runner/executable_store.py, subfolder
+`jaxllm-executables`): the warm-up's programs, which a restart loads without even
+tracing them; this cache still serves every other program and a store miss.
 """
 from __future__ import annotations
 

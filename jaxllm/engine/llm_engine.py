@@ -114,8 +114,9 @@ class LLMEngine:
         if not config.enforce_eager:
             self.runner.warm_up()
         self.startup_seconds = time.perf_counter() - t0
-        # Where start-up went: weights (built or read), KV sizing (a profiling step
-        # on a GPU) and allocation, and warm-up compilation.
+        # Where start-up went: weights (built or read), KV sizing (on a GPU: the largest
+        # step compiled or loaded, for its memory analysis) and allocation, and warm-up
+        # (the other programs compiled, or loaded from the executable store).
         self.startup_breakdown = {"load_s": t_load - t0, "kv_cache_s": t_kv - t_load,
                                   "warm_up_s": time.perf_counter() - t_kv}
         self.eos_token_id = self.arch.eos_token_id[0] if self.arch.eos_token_id else \

@@ -1,11 +1,16 @@
 """The KV pool: per layer a (k, v) pair of [Hkv, NB, BS, D] arrays, sized from
-`gpu_memory_utilization` after a profiling step (on CPU: a configured byte budget).
+`gpu_memory_utilization` and the compiled largest step's memory analysis (on CPU: a
+configured byte budget).
 
-Letter legend: Hkv KV heads, NB blocks, BS block size, D head dim, L layers.
+Letter legend: Hkv KV heads, NB blocks, BS block size, D head dim, L layers, T tokens
+and S sequences of a step.
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +18,10 @@ import jax.numpy as jnp
 from jaxllm.config import CacheConfig, ConfigError
 from jaxllm.models.registry import ArchConfig
 from jaxllm.parallel.mesh import pool_kv_heads
+
+# Device bytes kept free beside the largest step's compiled peak: allocator
+# fragmentation, the step's inputs, the sampler's temporaries.
+HEADROOM = 256 << 20
 
 
 def cache_dtype(cache: CacheConfig, model_dtype):
@@ -43,9 +52,10 @@ class MemoryReport:
 def plan_num_blocks(arch: ArchConfig, cache: CacheConfig, model_dtype, max_model_len: int,
                     weights_bytes: int, peak_bytes: int | None, device_limit: int | None,
                     num_devices: int = 1, max_num_seqs: int | None = None) -> MemoryReport:
-    """How many KV blocks fit. `peak_bytes`/`device_limit` come from the device's
-    memory stats after a profiling step (None on CPU). Raises ConfigError, with the
-    numbers and the knob to turn, when one max_model_len sequence does not fit."""
+    """How many KV blocks fit. `device_limit`: the device's byte limit (None on CPU);
+    `peak_bytes`: device bytes in use at the largest step's peak, the pool excepted
+    (see fit_to_device). Raises ConfigError, with the numbers and the knob to turn,
+    when one max_model_len sequence does not fit."""
     dtype = cache_dtype(cache, model_dtype)
     # Per device: the pool is split by head over the devices (parallel/mesh.py), each
     # holding Hkv / N heads, or one when the devices outnumber the KV heads.
@@ -91,11 +101,79 @@ def stable_block_count(num_blocks: int) -> int:
     return num_blocks // step * step
 
 
+def fit_to_device(arch: ArchConfig, cache: CacheConfig, model_dtype, max_model_len: int,
+                  weights_bytes: int, device_limit: int, activation_bytes: int,
+                  step_peak: Callable[[int], int | None], num_devices: int = 1) -> MemoryReport:
+    """Size the pool from the largest step's compiled memory analysis, with no
+    profiling run. The first guess spends `activation_bytes` (an upper estimate,
+    `activation_bound`) beside the weights; `step_peak(num_blocks)` compiles (or
+    loads) the largest step with that pool and returns its peak device bytes, pool
+    included. When weights + pool + temporaries + HEADROOM exceed
+    `gpu_memory_utilization * device_limit` the pool shrinks to fit and the step
+    compiles again (rare: the estimate is meant to be above what XLA allocates).
+    Counts are rounded by `stable_block_count`, so restarts produce the same shapes.
+    Raises plan_num_blocks's ConfigError when one max_model_len sequence does not fit."""
+    def plan(peak):
+        return plan_num_blocks(arch, cache, model_dtype, max_model_len, weights_bytes, peak,
+                               device_limit, num_devices=num_devices)
+
+    budget = int(device_limit * cache.gpu_memory_utilization)
+    report = plan(weights_bytes + activation_bytes + HEADROOM)
+    for _ in range(3):
+        peak = step_peak(report.num_blocks)
+        if peak is None:          # no memory analysis on this backend: keep the estimate
+            return report
+        rest = peak - report.num_blocks * report.per_block      # all but the pool
+        if peak + HEADROOM <= budget:
+            return dataclasses.replace(report, activations=rest - weights_bytes)
+        report = plan(rest + HEADROOM)
+    raise RuntimeError(f"the largest step's compiled peak grows with the KV pool "
+                       f"({peak} bytes with {report.num_blocks} blocks): a copy of the pool?")
+
+
+def activation_bound(arch: ArchConfig, num_tokens: int, num_seqs: int, dtype, tp: int = 1,
+                     gather_block_size: int = 0) -> int:
+    """An upper estimate of the step's temporary device bytes for T tokens and S
+    sequences (per device): per token the residual stream and norms (4 x hidden),
+    the MLP's gate, up and activation (3 x intermediate), q, k, v and the attention
+    output (twice); per sequence f32 logits and their softmax; then x1.5 for what
+    XLA keeps alive across layers. Llama-3.1-8B at T=8192, S=256: 2.1 GB, against
+    the 1.35 GiB activation peak the profiling step measured on the H200.
+    `gather_block_size`: the reference attention's block size (it gathers one block
+    column of K and V per token, in f32); 0 for the Pallas kernels."""
+    item = jnp.dtype(dtype).itemsize
+    heads, kv_heads = arch.num_heads, pool_kv_heads(arch.num_kv_heads, tp)
+    attn = (heads * 2 + kv_heads * 2) * arch.head_dim * item
+    attn += (kv_heads * gather_block_size * arch.head_dim * 2
+             + heads * (gather_block_size + 2 * arch.head_dim)) * 4 * bool(gather_block_size)
+    per_token = 4 * arch.hidden_size * item + (3 * arch.intermediate_size * item + attn) // tp
+    logits = num_seqs * arch.vocab_size * 4 * 2
+    return math.ceil(1.5 * (num_tokens * per_token + logits))
+
+
+def device_bytes(arrays) -> int:
+    """Bytes the arrays hold on one device (a split array: its shard)."""
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+               for x in jax.tree.leaves(arrays))
+
+
+def pool_shape(arch: ArchConfig, num_blocks: int, block_size: int, tp: int = 1):
+    return (pool_kv_heads(arch.num_kv_heads, tp), num_blocks, block_size, arch.head_dim)
+
+
+def abstract(arch: ArchConfig, num_blocks: int, block_size: int, dtype, sharding,
+             tp: int = 1):
+    """The pool's ShapeDtypeStructs, to lower a step before the pool exists."""
+    x = jax.ShapeDtypeStruct(pool_shape(arch, num_blocks, block_size, tp), dtype,
+                             sharding=sharding)
+    return [(x, x) for _ in range(arch.num_layers)]
+
+
 def allocate(arch: ArchConfig, num_blocks: int, block_size: int, dtype, sharding=None,
              tp: int = 1):
     """Zeroed pool: list over layers of (k, v) [Hkv, NB, BS, D], created on device (with
     `tp` devices: [max(Hkv, tp), ...] split by head, see parallel/mesh.py)."""
-    shape = (pool_kv_heads(arch.num_kv_heads, tp), num_blocks, block_size, arch.head_dim)
+    shape = pool_shape(arch, num_blocks, block_size, tp)
 
     def make():
         return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(arch.num_layers)]

@@ -18,7 +18,6 @@ import itertools
 import logging
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import jax
@@ -31,7 +30,7 @@ from jaxllm.engine.scheduler import PLACEHOLDER_TOKEN_ID
 from jaxllm.layers.attention import AttentionMetadata, AttentionSpec
 from jaxllm.models.loader import LoadedModel
 from jaxllm.parallel import distributed, mesh as mesh_lib
-from jaxllm.runner import kv_cache
+from jaxllm.runner import executable_store, kv_cache
 from jaxllm.runner.buckets import BucketPlan
 from jaxllm.runner.sampler import (SamplerFlags, SamplerOutput, SamplingMetadata,
                                    compute_logprobs, sample)
@@ -119,6 +118,24 @@ class ModelRunner:
             functools.partial(_forward, self.graphdef, treedef, self.spec), donate_argnums=(1,))
         self.leader = distributed.leader()   # multi-host: process 0 feeds the followers
         self._sample = jax.jit(_sample_into, static_argnums=(2,))
+        # The warm-up's compiled programs, called directly: ("step", T, S, decode_only)
+        # and ("sample", S, flags). Anything else goes through the jits above.
+        self._programs: dict[tuple, jax.stages.Compiled] = {}
+        self.store = self._open_store(treedef)
+
+    def _open_store(self, treedef) -> executable_store.ExecutableStore | None:
+        """The executable store, when a compilation cache folder is configured; not
+        with several processes (unverified there: the tests run one process)."""
+        if self.config.compilation_cache_dir is None or jax.process_count() > 1:
+            return None
+        kv_dtype = kv_cache.cache_dtype(self.config.cache, self.model_dtype)
+        static = [repr(self.arch), repr(self.spec), str(treedef),
+                  executable_store.signature(self._leaves), repr(self.plan),
+                  f"block_size={self.block_size} kv_dtype={kv_dtype} max_model_len="
+                  f"{self.max_model_len} step donates (1,), out_shardings="
+                  f"{(self._replicated, mesh_lib.kv_cache_sharding(self.mesh))}"]
+        return executable_store.ExecutableStore(self.config.compilation_cache_dir, self.mesh,
+                                                static)
 
     def _backend(self) -> str:
         backend = self.config.attention_backend
@@ -128,38 +145,50 @@ class ModelRunner:
 
     # ------------------------------------------------------------ KV pool
     def initialize_kv_cache(self) -> kv_cache.MemoryReport:
+        """Size and allocate the pool. On a GPU: from the largest step's compiled
+        memory analysis (kv_cache.fit_to_device); that step is kept for the warm-up."""
         cache_cfg = self.config.cache
-        weights = sum(x.nbytes for x in jax.tree.leaves(self.state))
-        dev = self.mesh.local_devices[0]
-        stats = dev.memory_stats() if dev.platform == "gpu" else None
-        peak = limit = None
-        if stats and cache_cfg.num_gpu_blocks_override is None:
-            peak, limit = self._profile_peak(), stats.get("bytes_limit")
-        report = kv_cache.plan_num_blocks(
-            self.arch, cache_cfg, self.model_dtype, self.max_model_len, weights, peak, limit,
-            num_devices=self.mesh.size, max_num_seqs=self.config.scheduler.max_num_seqs)
-        # Multi-host: one pool spans the processes, so all must size it alike.
-        report = dataclasses.replace(report, num_blocks=distributed.agree_min(report.num_blocks))
+        weights = kv_cache.device_bytes(self._leaves)
+        limit = self._device_limit()
         dtype = kv_cache.cache_dtype(cache_cfg, self.model_dtype)
         sharding = mesh_lib.kv_cache_sharding(self.mesh, self.arch.num_kv_heads)
+        t, s = self.plan.token_buckets[-1], self.plan.max_seqs
+        sized = {}     # num_blocks -> the largest step compiled for a pool of that size
+
+        def step_peak(num_blocks: int) -> int | None:
+            pool = kv_cache.abstract(self.arch, num_blocks, self.block_size, dtype, sharding,
+                                     tp=self.mesh.size)
+            program = self._step_program(t, s, False, pool)
+            sized[num_blocks] = executable_store.load_or_compile(
+                [program], self.store, compile_workers=1)[program.name]
+            return sized[num_blocks].peak_bytes
+
+        if limit is not None and cache_cfg.num_gpu_blocks_override is None:
+            report = kv_cache.fit_to_device(
+                self.arch, cache_cfg, self.model_dtype, self.max_model_len, weights, limit,
+                kv_cache.activation_bound(
+                    self.arch, t, s, self.model_dtype, self.mesh.size,
+                    gather_block_size=self.block_size * (self.spec.backend == "reference")),
+                step_peak, num_devices=self.mesh.size)
+        else:
+            report = kv_cache.plan_num_blocks(
+                self.arch, cache_cfg, self.model_dtype, self.max_model_len, weights, None, None,
+                num_devices=self.mesh.size, max_num_seqs=self.config.scheduler.max_num_seqs)
+        # Multi-host: one pool spans the processes, so all must size it alike.
+        report = dataclasses.replace(report, num_blocks=distributed.agree_min(report.num_blocks))
         self.kv_caches = kv_cache.allocate(self.arch, report.num_blocks, self.block_size,
                                            dtype, sharding, tp=self.mesh.size)
         self.num_blocks = report.num_blocks
+        if report.num_blocks in sized:
+            self._programs[("step", t, s, False)] = sized[report.num_blocks].compiled
         logger.info("KV cache: %s", report.describe(self.block_size))
         return report
 
-    def _profile_peak(self) -> int:
-        """Peak device bytes of the largest step, with a minimal pool."""
-        dtype = kv_cache.cache_dtype(self.config.cache, self.model_dtype)
-        sharding = mesh_lib.kv_cache_sharding(self.mesh, self.arch.num_kv_heads)
-        self.kv_caches = kv_cache.allocate(self.arch, 2, self.block_size, dtype, sharding,
-                                           tp=self.mesh.size)
-        t, s = self.plan.token_buckets[-1], self.plan.max_seqs
-        self._run_dummy(t, s, decode_only=False)
+    def _device_limit(self) -> int | None:
+        """The device's byte limit; None on CPU, where the pool has a configured size."""
         dev = self.mesh.local_devices[0]
-        peak = dev.memory_stats().get("peak_bytes_in_use", 0)
-        self.kv_caches = None
-        return peak
+        stats = dev.memory_stats() if dev.platform == "gpu" else None
+        return stats.get("bytes_limit") if stats else None
 
     # ------------------------------------------------------------ inputs
     def prepare_inputs(self, scheduled) -> tuple[dict, bool, int]:
@@ -203,15 +232,17 @@ class ModelRunner:
         return arrays, decode_only, s
 
     # ------------------------------------------------------------ execution
-    def _step_args(self, arrays: dict, decode_only: bool) -> tuple:
+    def _step_args(self, arrays: dict, decode_only: bool, kv_caches=None) -> tuple:
         """The step's arguments for host `arrays`, transferred in one device_put. The
-        warm-up lowers with these very arguments, so its programs are the ones called."""
+        warm-up lowers with these very arguments, so its programs are the ones called.
+        `kv_caches`: another pool than the runner's (the KV sizing's abstract one)."""
         arrays = jax.device_put(arrays, self._replicated)
         md = AttentionMetadata(
             slot_mapping=arrays["slot_mapping"], block_tables=arrays["block_tables"],
             seq_lens=arrays["seq_lens"], query_start_loc=arrays["query_start_loc"],
             decode_only=decode_only)
-        args = (self._leaves, self.kv_caches, self._token_buf, arrays["input_ids"],
+        kv_caches = self.kv_caches if kv_caches is None else kv_caches
+        args = (self._leaves, kv_caches, self._token_buf, arrays["input_ids"],
                 arrays["positions"], md, arrays["logits_indices"])
         return args + ((arrays["prompt_targets"],) if "prompt_targets" in arrays else ())
 
@@ -220,12 +251,30 @@ class ModelRunner:
             args = self._step_args(dict(arrays, prompt_targets=prompt_targets), decode_only)
             logits, self.kv_caches, prompt = self._step_prompt(*args)
             return logits, prompt
-        logits, self.kv_caches = self._step(*self._step_args(arrays, decode_only))
+        key = ("step", len(arrays["input_ids"]), len(arrays["seq_lens"]), decode_only)
+        args = self._step_args(arrays, decode_only)
+        logits, self.kv_caches = self._call(key, args, self._step, args)
         return logits
 
     def _sample_step(self, logits, md, flags) -> SamplerOutput:
-        out, self._token_buf = self._sample(logits, md, flags, self._token_buf)
+        out, self._token_buf = self._call(("sample", logits.shape[0], flags),
+                                          (logits, md, self._token_buf),
+                                          self._sample, (logits, md, flags, self._token_buf))
         return out
+
+    def _call(self, key: tuple, args: tuple, jitted, jit_args: tuple):
+        """The warm-up's program for `key`, else the jit (which compiles on first use)."""
+        compiled = self._programs.get(key)
+        if compiled is not None:
+            try:
+                return compiled(*args)
+            except (TypeError, ValueError) as e:
+                # Arguments unlike the warm-up's. Checked before the program runs, so
+                # nothing was donated yet.
+                logger.warning("%s: the warm-up's program rejects these arguments (%s); "
+                               "using the jit from now on", key, str(e)[:300])
+                del self._programs[key]
+        return jitted(*jit_args)
 
     def execute_model(self, scheduler_output, requests: dict,
                       fallback_seeds: dict) -> StepHandle | None:
@@ -329,35 +378,43 @@ class ModelRunner:
             seq_lens=np.zeros(s, np.int32), query_start_loc=np.zeros(s + 1, np.int32),
             logits_indices=np.zeros(s, np.int32))
 
-    def _run_dummy(self, t: int, s: int, decode_only: bool):
-        return self._launch(self._dummy_arrays(t, s), decode_only)
+    def _step_program(self, t: int, s: int, decode_only: bool,
+                      kv_caches=None) -> executable_store.Program:
+        """The step for one bucket, lowered with the very arguments a real call passes.
+        Its store key leaves out the weights (part of the store's static part)."""
+        args = self._step_args(self._dummy_arrays(t, s), decode_only, kv_caches)
+        return executable_store.Program(("step", t, s, decode_only), args[1:],
+                                        functools.partial(self._step.lower, *args))
 
-    def _lower_step(self, t: int, s: int, decode_only: bool):
-        """Lower the step for one bucket with the very arguments a real call passes,
-        so its compiled form lands in jit's cache."""
-        return self._step.lower(*self._step_args(self._dummy_arrays(t, s), decode_only))
-
-    def warm_up(self) -> float:
-        """Compile every bucket shape (model step and each sampler variant), several
-        at once: XLA compiles outside the GIL, so threads cut the start-up time.
-        Lowering (Python) stays in this thread, in a fixed order, so the programs and
-        their persistent-cache keys are the same on every start."""
-        t0 = time.perf_counter()
+    def _warm_up_programs(self) -> list[executable_store.Program]:
         shapes = self.plan.all_shapes()
-        lowered = [self._lower_step(*shape) for shape in shapes]
+        programs = [self._step_program(*shape) for shape in shapes]
         for s in sorted({s for _, s, _ in shapes}):
             # The sampler sees the step's logits: float32 [S, V], replicated.
             logits = jax.device_put(np.zeros((s, self.arch.vocab_size), np.float32),
                                     self._replicated)
-            lowered += [self._sample.lower(logits, _dummy_sampling_md(s), flags, self._token_buf)
-                        for flags in _sampler_variants()]
-        workers = min(len(lowered), os.cpu_count() or 1, 16)
-        with ThreadPoolExecutor(workers) as pool:
-            for future in [pool.submit(low.compile) for low in lowered]:
-                future.result()
+            md = _dummy_sampling_md(s)
+            programs += [executable_store.Program(
+                ("sample", s, flags), (logits, md, self._token_buf),
+                functools.partial(self._sample.lower, logits, md, flags, self._token_buf))
+                for flags in _sampler_variants()]
+        return programs
+
+    def warm_up(self) -> float:
+        """Have every bucket's program (model step and each sampler variant) compiled,
+        or loaded from the executable store, and keep them for dispatch."""
+        t0 = time.perf_counter()
+        programs = [p for p in self._warm_up_programs() if p.name not in self._programs]
+        # Deserializing holds the GIL on the CPU backend (executable_store); on a GPU
+        # it is mostly loading kernels, so threads may overlap it.
+        cpu = self.mesh.local_devices[0].platform == "cpu"
+        loaded = executable_store.load_or_compile(
+            programs, self.store, compile_workers=min(os.cpu_count() or 1, 16),
+            load_workers=1 if cpu else 8)
+        self._programs.update((name, x.compiled) for name, x in loaded.items())
         elapsed = time.perf_counter() - t0
-        logger.info("warm-up compiled %d step shapes and %d sampler variants in %.1f s "
-                    "(%d threads)", len(shapes), len(lowered) - len(shapes), elapsed, workers)
+        logger.info("warm-up: %d programs ready in %.1f s%s", len(programs), elapsed,
+                    f" ({self.store.loads} loaded from the executable store)" if self.store else "")
         return elapsed
 
     # ------------------------------------------------------------ swap
