@@ -27,11 +27,12 @@ from flax import nnx
 
 from jaxllm.config import EngineConfig
 from jaxllm.engine.scheduler import PLACEHOLDER_TOKEN_ID
-from jaxllm.layers.attention import AttentionMetadata, AttentionSpec
+from jaxllm.layers.attention import AttentionSpec
 from jaxllm.models.loader import LoadedModel
 from jaxllm.parallel import distributed, mesh as mesh_lib
 from jaxllm.runner import executable_store, kv_cache
 from jaxllm.runner.buckets import BucketPlan
+from jaxllm.runner.step_inputs import StepInputs
 from jaxllm.runner.sampler import (SamplerFlags, SamplerOutput, SamplingMetadata,
                                    compute_logprobs, sample)
 from jaxllm.sampling_params import MAX_LOGPROBS
@@ -58,11 +59,12 @@ class StepHandle:
     prompt_out: tuple | None
 
 
-def _forward(graphdef, treedef, spec, leaves, kv_caches, token_buf, input_ids, positions, md,
-             logits_indices, target_ids=None):
+def _forward(graphdef, treedef, spec, leaves, kv_caches, token_buf, inputs: StepInputs,
+             target_ids=None):
     """One step. input_ids < 0 name rows of token_buf i32[M] (the previous step's
     samples). With target_ids i32[T] (each token's successor) it also returns the raw
     prompt logprobs (logprob [T], rank [T], top ids [T, K], top logprobs [T, K])."""
+    input_ids, positions, md, logits_indices = inputs.unpack()
     input_ids = jnp.where(input_ids < 0, token_buf[jnp.maximum(-input_ids - 1, 0)], input_ids)
     # The step takes the parameters as a flat list: flattening an NNX State and
     # hashing a static graphdef on every call cost milliseconds of host time per step.
@@ -233,18 +235,15 @@ class ModelRunner:
 
     # ------------------------------------------------------------ execution
     def _step_args(self, arrays: dict, decode_only: bool, kv_caches=None) -> tuple:
-        """The step's arguments for host `arrays`, transferred in one device_put. The
+        """The step's arguments for host `arrays`, packed into one transfer. The
         warm-up lowers with these very arguments, so its programs are the ones called.
         `kv_caches`: another pool than the runner's (the KV sizing's abstract one)."""
-        arrays = jax.device_put(arrays, self._replicated)
-        md = AttentionMetadata(
-            slot_mapping=arrays["slot_mapping"], block_tables=arrays["block_tables"],
-            seq_lens=arrays["seq_lens"], query_start_loc=arrays["query_start_loc"],
-            decode_only=decode_only)
+        inputs = StepInputs.pack(arrays, decode_only, self._replicated)
         kv_caches = self.kv_caches if kv_caches is None else kv_caches
-        args = (self._leaves, kv_caches, self._token_buf, arrays["input_ids"],
-                arrays["positions"], md, arrays["logits_indices"])
-        return args + ((arrays["prompt_targets"],) if "prompt_targets" in arrays else ())
+        args = (self._leaves, kv_caches, self._token_buf, inputs)
+        if "prompt_targets" in arrays:
+            args += (jax.device_put(arrays["prompt_targets"], self._replicated),)
+        return args
 
     def _launch(self, arrays: dict, decode_only: bool, prompt_targets=None):
         if prompt_targets is not None:

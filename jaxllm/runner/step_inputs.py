@@ -1,0 +1,56 @@
+"""The int32 inputs of one model step, packed into one device buffer.
+
+Letter legend: T padded tokens, S padded sequences, W block-table width.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+from jaxllm.layers.attention import AttentionMetadata
+
+_INPUT_FIELDS = ("input_ids", "positions", "slot_mapping", "block_tables", "seq_lens",
+                 "query_start_loc", "logits_indices")
+
+
+@dataclass
+class StepInputs:
+    """A step's int32 inputs packed in ONE device buffer (fields in _INPUT_FIELDS order).
+
+    One transfer per step instead of seven, and one new buffer address per step: XLA
+    runs the step as CUDA graphs, and every graph node that reads a buffer whose
+    address changed is re-pointed on each launch. With seven separate inputs those
+    were the RoPE, KV-write and attention nodes of every layer (measured on the H200,
+    32 layers: 2.2 ms host time per launch against 0.9 ms with unchanged inputs);
+    packed, only the few small copies that unpack it read the new buffer."""
+    packed: jax.Array
+    num_tokens: int = dataclasses.field(metadata=dict(static=True))
+    num_seqs: int = dataclasses.field(metadata=dict(static=True))
+    width: int = dataclasses.field(metadata=dict(static=True))
+    decode_only: bool = dataclasses.field(metadata=dict(static=True))
+
+    @classmethod
+    def pack(cls, arrays: dict, decode_only: bool, sharding) -> "StepInputs":
+        t, (s, w) = len(arrays["input_ids"]), arrays["block_tables"].shape
+        packed = np.concatenate([np.ravel(arrays[k]) for k in _INPUT_FIELDS]).astype(np.int32)
+        return cls(jax.device_put(packed, sharding), t, s, w, decode_only)
+
+    def unpack(self):
+        """(input_ids [T], positions [T], AttentionMetadata, logits_indices [S])."""
+        t, s, w = self.num_tokens, self.num_seqs, self.width
+        sizes = (t, t, t, s * w, s, s + 1, s)
+        offsets = np.cumsum((0,) + sizes)
+        f = {k: self.packed[offsets[i]:offsets[i + 1]] for i, k in enumerate(_INPUT_FIELDS)}
+        md = AttentionMetadata(
+            slot_mapping=f["slot_mapping"], block_tables=f["block_tables"].reshape(s, w),
+            seq_lens=f["seq_lens"], query_start_loc=f["query_start_loc"],
+            decode_only=self.decode_only)
+        return f["input_ids"], f["positions"], md, f["logits_indices"]
+
+
+jax.tree_util.register_dataclass(
+    StepInputs, data_fields=["packed"],
+    meta_fields=["num_tokens", "num_seqs", "width", "decode_only"])
