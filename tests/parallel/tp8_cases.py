@@ -131,12 +131,7 @@ def test_step_outputs_and_collectives(run, arch, tp):
                   block_tables=np.zeros((s, runner.max_blocks_per_seq), np.int32),
                   seq_lens=np.zeros(s, np.int32), query_start_loc=np.zeros(s + 1, np.int32),
                   logits_indices=np.zeros(s, np.int32))
-    x = jax.device_put(arrays, runner._replicated)
-    md = AttentionMetadata(x["slot_mapping"], x["block_tables"], x["seq_lens"],
-                           x["query_start_loc"], decode_only=True)
-    compiled = runner._step.lower(runner._leaves, runner.kv_caches, runner._token_buf,
-                                  x["input_ids"],
-                                  x["positions"], md, x["logits_indices"]).compile()
+    compiled = runner._step.lower(*runner._step_args(arrays, True)).compile()
     logits_sharding, kv_shardings = compiled.output_shardings
     assert logits_sharding.is_fully_replicated
     for sh in jax.tree.leaves(kv_shardings):

@@ -27,8 +27,8 @@ import pytest
 from server_helpers import MODEL, metric, sse_events, wait_until_idle
 
 from jaxllm.engine.async_engine import EngineDeadError
-from jaxllm.engine.core_client import (MPAsyncLLMEngine, _OutputDecoder, _OutputEncoder,
-                                       _remote_error)
+from jaxllm.engine.core_client import MPAsyncLLMEngine, _remote_error
+from jaxllm.engine.output_wire import OutputDecoder, OutputEncoder
 from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxllm.sampling_params import SamplingParams
 
@@ -72,7 +72,7 @@ def test_wire_format_rebuilds_cumulative_outputs():
     that shrinks (only growth happens in fact), the prompt sent once."""
     lp = [{7: Logprob(-0.5, 1, "a")}, {8: Logprob(-1.0, 2, "b")}, {9: Logprob(-2.0, 1, "c")}]
     texts, finishes = ["a", "ab", "aX", "aXc"], [None, None, None, "length"]
-    enc, dec = _OutputEncoder(), _OutputDecoder()
+    enc, dec = OutputEncoder(), OutputDecoder()
     sizes = []
     for step in range(4):
         outs = [CompletionOutput(i, texts[step] * (i + 1), list(range(step + i)), -1.0 * step,
