@@ -10,7 +10,8 @@
 #
 # Env: MODEL (a folder with config.json; dummy weights), NUM_PROMPTS (1000),
 # RATE (8), RATE_PROMPTS (200; 0 skips the fixed-rate run), WARM (1; 0 skips the warm
-# restart), PORT (8000), OUT (results folder, default .), EXTRA (more `jaxllm serve` flags).
+# restart), PORT (8000), OUT (results folder, default .), EXTRA (more `jaxllm serve` flags),
+# CACHE (compile cache folder; default a new empty one, i.e. a cold start).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${MODEL:-configs/models/llama-3.1-8b}
@@ -19,7 +20,7 @@ RATE=${RATE:-8}
 RATE_PROMPTS=${RATE_PROMPTS:-200}
 PORT=${PORT:-8000}
 OUT=${OUT:-.}
-CACHE=$(mktemp -d /tmp/jaxllm-xla-XXXX)
+CACHE=${CACHE:-$(mktemp -d /tmp/jaxllm-xla-XXXX)}
 TAG=$(basename "$MODEL")
 JAXLLM=(python3 -m jaxllm.entrypoints.cli)
 
