@@ -18,8 +18,7 @@ def paged_attention(q, k, v, k_cache, v_cache, md, spec):
     k_cache, v_cache = reshape_and_cache(k, v, k_cache, v_cache, md.slot_mapping,
                                          spec.k_scale, spec.v_scale,
                                          interpret=spec.interpret)
-    kw = dict(sm_scale=spec.sm_scale, sliding_window=spec.sliding_window,
-              k_scale=spec.k_scale, v_scale=spec.v_scale, interpret=spec.interpret)
+    kw = _settings(spec)
     if md.decode_only:
         out = _decode(q, k_cache, v_cache, md, kw)
     else:
@@ -38,10 +37,14 @@ def decode_qkv(qkv, k_cache, v_cache, md, spec, num_q_heads):
                                          head_offsets=(num_q_heads, num_q_heads + hkv),
                                          interpret=spec.interpret)
     out = paged_attention_decode(qkv, k_cache, v_cache, md.block_tables, md.seq_lens,
-                                 sm_scale=spec.sm_scale, sliding_window=spec.sliding_window,
-                                 k_scale=spec.k_scale, v_scale=spec.v_scale,
-                                 num_q_heads=num_q_heads, interpret=spec.interpret)
+                                 num_q_heads=num_q_heads, **_settings(spec))
     return out, k_cache, v_cache
+
+
+def _settings(spec):
+    """The attention kernels' keyword arguments from the AttentionSpec."""
+    return dict(sm_scale=spec.sm_scale, sliding_window=spec.sliding_window,
+                k_scale=spec.k_scale, v_scale=spec.v_scale, interpret=spec.interpret)
 
 
 def _decode(q, k_cache, v_cache, md, kw):

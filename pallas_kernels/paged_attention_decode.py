@@ -67,8 +67,9 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, *, sm_sc
     max_steps = common.cdiv(block_tables.shape[1] * bs, tile)
     ns = k_splits or default_k_splits(num_seqs, hkv, max_steps)
     kernel = functools.partial(
-        _decode_kernel, hq=hq, q_stride=q_stride, g=g, gp=gp, d=d, dp=dp, bs=bs, tile=tile, num_splits=ns,
-        window=sliding_window, scale2=sm_scale * k_scale * common.LOG2E, v_scale=v_scale)
+        _decode_kernel, hq=hq, q_stride=q_stride, g=g, gp=gp, d=d, dp=dp, bs=bs, tile=tile,
+        num_splits=ns, window=sliding_window, scale2=sm_scale * k_scale * common.LOG2E,
+        v_scale=v_scale)
     part_dtype = jnp.float32 if ns > 1 else q.dtype
     pool_spec = pl.BlockSpec((None, nb * bs, d), lambda s, h, k: (h, 0, 0))
     full = lambda x: pl.BlockSpec(x.shape, lambda s, h, k: (0,) * x.ndim)  # noqa: E731

@@ -24,26 +24,11 @@ CACHE=${CACHE:-$(mktemp -d /tmp/jaxllm-xla-XXXX)}
 TAG=$(basename "$MODEL")
 JAXLLM=(python3 -m jaxllm.entrypoints.cli)
 
-start_server() {   # $1: log file; sets SERVER (pid) and READY_S (seconds to /health)
-  local t0 t1
-  t0=$(date +%s.%N)
-  "${JAXLLM[@]}" serve "$MODEL" --load-format dummy --dtype bfloat16 --max-model-len 2048 \
-    --port "$PORT" --compilation-cache-dir "$CACHE" ${EXTRA:-} >"$1" 2>&1 &
-  SERVER=$!
-  until curl -sf "http://127.0.0.1:$PORT/health" >/dev/null; do
-    kill -0 "$SERVER" 2>/dev/null || { echo "server died"; tail -20 "$1"; exit 1; }
-    sleep 0.2
-  done
-  t1=$(date +%s.%N)
-  READY_S=$(python3 -c "print(f'{$t1 - $t0:.1f}')")
-}
+. scripts/serve_lib.sh
+SERVE=("${JAXLLM[@]}" serve "$MODEL" --load-format dummy --dtype bfloat16 --max-model-len 2048
+       --port "$PORT" --compilation-cache-dir "$CACHE" ${EXTRA:-})
 
-stop_server() {
-  kill -INT "$SERVER" 2>/dev/null
-  wait "$SERVER" 2>/dev/null
-}
-
-start_server "$OUT/serve-$TAG-cold.log"
+start_server "$OUT/serve-$TAG-cold.log" "${SERVE[@]}"
 cold=$READY_S
 echo "cold start to /health: $cold s"
 for spec in "inf $NUM_PROMPTS" "$RATE $RATE_PROMPTS"; do
@@ -59,7 +44,7 @@ if [ "${WARM:-1}" = 0 ]; then
   echo "{\"model\": \"$MODEL\", \"cold_start_s\": $cold}" >"$OUT/serve-$TAG-startup.json"
   exit 0
 fi
-start_server "$OUT/serve-$TAG-warm.log"
+start_server "$OUT/serve-$TAG-warm.log" "${SERVE[@]}"
 warm=$READY_S
 echo "warm restart to /health: $warm s"
 grep -h "compilation cache\|engine ready" "$OUT/serve-$TAG-warm.log" | tail -2

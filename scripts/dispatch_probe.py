@@ -1,7 +1,7 @@
 """Host cost of dispatching a jitted call by number of buffers (and donation)."""
-import time, sys
+import time
 import numpy as np
-import jax, jax.numpy as jnp
+import jax
 
 def bench(fn, args, n=300):
     out = fn(*args); jax.block_until_ready(out)

@@ -16,20 +16,14 @@ CACHE=${CACHE:-$(mktemp -d /tmp/jaxllm-startup-XXXX)}
 PORT=${PORT:-8123}
 OUT=${OUT:-/tmp}
 
+. scripts/serve_lib.sh
+
 start() {   # $1: cold | warm
-  local log="$OUT/startup-$1.log" t0 t1 pid
-  t0=$(date +%s.%N)
-  python3 -m jaxllm.entrypoints.cli serve "${ARGS[@]}" --port "$PORT" \
-    --compilation-cache-dir "$CACHE" >"$log" 2>&1 &
-  pid=$!
-  until curl -sf "http://127.0.0.1:$PORT/health" >/dev/null; do
-    kill -0 "$pid" 2>/dev/null || { echo "$1: server died"; tail -20 "$log"; exit 1; }
-    sleep 0.2
-  done
-  t1=$(date +%s.%N)
-  kill -INT "$pid" 2>/dev/null
-  wait "$pid" 2>/dev/null
-  python3 -c "print(f'$1 start to /health: {$t1 - $t0:.1f} s')"
+  local log="$OUT/startup-$1.log"
+  start_server "$log" python3 -m jaxllm.entrypoints.cli serve "${ARGS[@]}" --port "$PORT" \
+    --compilation-cache-dir "$CACHE"
+  stop_server
+  echo "$1 start to /health: $READY_S s"
   grep -h "engine ready\|programs:" "$log" | sed 's/^/  /'
 }
 

@@ -35,7 +35,7 @@ class StepInputs:
     @classmethod
     def pack(cls, arrays: dict, decode_only: bool, sharding) -> "StepInputs":
         t, (s, w) = len(arrays["input_ids"]), arrays["block_tables"].shape
-        packed = np.concatenate([np.ravel(arrays[k]) for k in _INPUT_FIELDS]).astype(np.int32)
+        packed = np.concatenate([np.ravel(arrays[k]) for k in _INPUT_FIELDS], dtype=np.int32)
         return cls(jax.device_put(packed, sharding), t, s, w, decode_only)
 
     def unpack(self):
