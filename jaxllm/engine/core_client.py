@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from jaxllm.engine.async_engine import _ACCEPTED, EngineDeadError, _OutputQueue, _post
-from jaxllm.engine.output_wire import OutputDecoder, OutputEncoder
+from jaxllm.engine.output_wire import OutputDecoder
 from jaxllm.metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)
@@ -192,7 +192,9 @@ class MPAsyncLLMEngine:
     # ------------------------------------------------------------ writer and reader
     def _write(self) -> None:
         """Send queued commands, all that piled up in one message: a full pipe (a
-        step's worth of long prompts) blocks this thread, not the event loop."""
+        step's worth of long prompts) blocks this thread, not the event loop. Text
+        prompts are tokenized here, as vLLM's front end does: in the engine process
+        1000 prompts of 1024 tokens would hold the device up for a second."""
         while True:
             with self._cond:
                 while not (self._commands or self._stopped or self.dead_error):
@@ -203,12 +205,28 @@ class MPAsyncLLMEngine:
                 if dead:
                     return
                 if commands:
-                    self._commands_conn.send(commands)
+                    self._commands_conn.send([self._tokenized(c) for c in commands])
                 if stopping:
                     self._commands_conn.send([("shutdown",)])
                     return
             except OSError:    # the engine process is gone; the reader reports it
                 return
+
+    def _tokenized(self, command: tuple) -> tuple:
+        """An add command with its text prompt as {"prompt", "prompt_token_ids"}
+        (the engine's own tokenizer, shipped here at start-up, so the same ids)."""
+        if command[0] != "add":
+            return command
+        prompt = command[2]
+        if isinstance(prompt, dict) and "prompt_token_ids" not in prompt:
+            prompt = prompt.get("prompt")
+        if not isinstance(prompt, str):
+            return command
+        try:
+            ids = self.engine.tokenizer.encode(prompt)
+        except Exception:  # noqa: BLE001 - the engine process raises it for the request
+            return command
+        return command[:2] + ({"prompt": prompt, "prompt_token_ids": ids},) + command[3:]
 
     def _read(self) -> None:
         """Deliver the engine process's messages until its pipe closes."""
@@ -324,7 +342,6 @@ class EngineCore:
         self.engine = engine
         self.commands = commands
         self.outputs = outputs
-        self.encoder = OutputEncoder()
         # Messages go out on a thread of their own: a server process busy writing
         # SSE chunks lets the pipe fill, and a blocking send would then stall the
         # engine (and the device) until it drains.
@@ -342,7 +359,7 @@ class EngineCore:
                     self._send(("added", added, aborted, self.engine.get_stats()))
                 if self.engine.has_unfinished_requests():
                     t0 = time.perf_counter()
-                    deltas = [self.encoder.encode(o) for o in self.engine.step()]
+                    deltas = self.engine.step_deltas()
                     self._step_s += time.perf_counter() - t0
                     self._steps += 1
                     self._send(("outputs", deltas, self.engine.get_stats()))
@@ -386,7 +403,6 @@ class EngineCore:
         for command in commands:
             if command[0] == "abort":
                 self.engine.abort_request(command[1])
-                self.encoder.forget(command[1])
                 aborted.append(command[1])
                 continue
             _, request_id, prompt, params, arrival_time = command

@@ -16,6 +16,7 @@ from typing import Iterable
 
 from jaxllm.config import EngineConfig, check_against_model, effective_max_model_len
 from jaxllm.engine.detokenizer import IncrementalDetokenizer
+from jaxllm.engine.output_wire import pack_metrics
 from jaxllm.engine.request import Request, RequestStatus
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.outputs import CompletionOutput, RequestOutput, make_logprobs_entry
@@ -55,6 +56,8 @@ class _Sample:
     seed: int
     cumulative_logprob: float = 0.0
     logprobs: list | None = None
+    # What step_deltas() has sent of it: text chars, token ids, logprob entries.
+    sent: tuple[int, int, int] = (0, 0, 0)
 
 
 @dataclass
@@ -67,6 +70,7 @@ class _Group:
     samples: list[_Sample]
     metrics: RequestMetrics
     prompt_logprobs: list | None = None   # vLLM's shape: None, then a dict per token
+    header_sent: bool = False              # step_deltas() sent the prompt part
 
 
 class LLMEngine:
@@ -225,21 +229,32 @@ class LLMEngine:
 
     # ------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
+        return self._step(self._make_output)
+
+    def step_deltas(self) -> list[tuple]:
+        """step() with each output as what changed since the request's last one, in
+        ``output_wire``'s delta form (the engine process sends these; its server
+        process rebuilds the RequestOutputs). Built from what is new only, where a
+        RequestOutput copies the whole sequence every step. An engine is stepped by
+        one of the two methods, not both."""
+        return self._step(self._make_delta)
+
+    def _step(self, make) -> list:
         previous = self._in_flight
         self._in_flight = None
         if previous is not None and not self._can_schedule_ahead(previous[0]):
-            outputs = self._finish(*previous)   # the next step needs its tokens on the host
+            outputs = self._finish(*previous, make)   # the next step needs its tokens
             previous = None
         else:
             outputs = []
         launched = self._launch(self.scheduler.schedule())
         if previous is not None:
-            outputs = self._finish(*previous)
+            outputs = self._finish(*previous, make)
         if launched is not None:
             if self.async_scheduling:
                 self._in_flight = launched
             else:
-                outputs += self._finish(*launched)
+                outputs += self._finish(*launched, make)
         return outputs
 
     def _can_schedule_ahead(self, so) -> bool:
@@ -261,8 +276,8 @@ class LLMEngine:
             m.first_scheduled_time = m.first_scheduled_time or now
         return so, self.runner.execute_model(so, requests, seeds)
 
-    def _finish(self, so, handle) -> list[RequestOutput]:
-        """Read a launched step back and turn it into outputs."""
+    def _finish(self, so, handle, make) -> list:
+        """Read a launched step back and turn it into outputs (``make`` of a group)."""
         results, prompt_logprobs = self.runner.get_output(handle)
         self._record_prompt_logprobs(prompt_logprobs)
         updated = self.scheduler.update_from_output(
@@ -277,7 +292,7 @@ class LLMEngine:
             group.metrics.last_token_time = now
             touched[group.request_id] = group
         self.generation_tokens_total += len(updated)
-        return [self._make_output(g) for g in touched.values()
+        return [make(g) for g in touched.values()
                 if g.params.output_kind is not RequestOutputKind.FINAL_ONLY
                 or all(s.request.is_finished() for s in g.samples)]
 
@@ -323,17 +338,45 @@ class LLMEngine:
                 cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,
                 logprobs=s.logprobs, finish_reason=req.get_finished_reason(),
                 stop_reason=req.stop_reason))
+        finished = self._retire_if_finished(group)
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids,
+                             group.prompt_logprobs, outs,
+                             finished, num_cached_tokens=_num_cached(group),
+                             metrics=dataclasses.replace(group.metrics))
+
+    def _make_delta(self, group: _Group) -> tuple:
+        """The group's output as a delta (``output_wire`` has the layout). The text
+        only grows: the detokenizer holds back what a stop string could take away."""
+        header = None
+        if not group.header_sent:
+            header = (group.prompt, group.prompt_token_ids, group.prompt_logprobs)
+            group.header_sent = True
+        completions = []
+        for s in group.samples:
+            req = s.request
+            chars, num_ids, num_logprobs = s.sent
+            text = s.detok.get_next_output_text(req.is_finished(), delta=True)
+            ids = req.output_token_ids
+            logprobs = None
+            if s.logprobs is not None:
+                logprobs = s.logprobs[num_logprobs:]
+                num_logprobs = len(s.logprobs)
+            s.sent = (chars + len(text), len(ids), num_logprobs)
+            completions.append((chars, text, ids[num_ids:],
+                                s.cumulative_logprob if s.logprobs is not None else None,
+                                logprobs, req.get_finished_reason(), req.stop_reason))
+        finished = self._retire_if_finished(group)
+        return (group.request_id, header, completions, finished, _num_cached(group),
+                pack_metrics(group.metrics))
+
+    def _retire_if_finished(self, group: _Group) -> bool:
         finished = all(s.request.is_finished() for s in group.samples)
         if finished:
             group.metrics.finished_time = time.time()
             self.groups.pop(group.request_id, None)
             for s in group.samples:
                 self.samples.pop(s.request.request_id, None)
-        cached = max((s.request.num_cached_tokens for s in group.samples), default=0)
-        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids,
-                             group.prompt_logprobs, outs,
-                             finished, num_cached_tokens=max(cached, 0),
-                             metrics=dataclasses.replace(group.metrics))
+        return finished
 
     # ------------------------------------------------------------ stats
     def get_stats(self) -> EngineStats:
@@ -350,6 +393,10 @@ class LLMEngine:
             prefix_cache_hits=pool.prefix_cache_hits,
             num_free_blocks=pool.get_num_free_blocks(),
             num_total_blocks=total)
+
+
+def _num_cached(group: _Group) -> int:
+    return max(max((s.request.num_cached_tokens for s in group.samples), default=0), 0)
 
 
 def _max_batched(config: EngineConfig, max_model_len: int) -> int:

@@ -239,3 +239,46 @@ def test_no_compilation_after_warm_up(tiny_model):
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
     assert compiles == []
+
+
+def test_step_deltas_rebuild_the_outputs_of_step(llama):
+    """step_deltas() through pickle and the server's OutputDecoder gives, step by
+    step, the RequestOutputs that step() gives on a twin engine: n=2 with logprobs,
+    prompt logprobs, a stop string, FINAL_ONLY; the prompt travels once."""
+    import dataclasses
+    import pickle
+    from jaxllm.engine.output_wire import OutputDecoder
+    from jaxllm.sampling_params import RequestOutputKind
+    folder, _, llm = llama
+    text = llm.generate("hello world", SamplingParams(temperature=0, max_tokens=12,
+                                                      ignore_eos=True), use_tqdm=False)
+    stop = text[0].outputs[0].text[3:6]
+    cases = [("hello world", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                            stop=[stop])),
+             ([5, 17, 42, 99, 3], SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=10,
+                                                 logprobs=2, prompt_logprobs=1)),
+             ("the lazy dog", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                                             output_kind=RequestOutputKind.FINAL_ONLY))]
+    engines = [LLM(folder, enforce_eager=True, **ENGINE).llm_engine for _ in range(2)]
+    for engine in engines:
+        for i, (prompt, params) in enumerate(cases):
+            engine.add_request(f"r{i}", prompt, params)
+    plain, wired = engines
+    decoder, sizes, steps, last = OutputDecoder(), {}, 0, {}
+    while plain.has_unfinished_requests():
+        want = plain.step()
+        deltas = [pickle.loads(pickle.dumps(d)) for d in wired.step_deltas()]
+        for d in deltas:
+            sizes.setdefault(d[0], []).append(len(pickle.dumps(d)))
+        got = [decoder.decode(d) for d in deltas]
+        assert [dataclasses.replace(o, metrics=None) for o in got] == \
+            [dataclasses.replace(o, metrics=None) for o in want]
+        assert all(type(o.metrics) is type(w.metrics) for o, w in zip(got, want))
+        last.update((o.request_id, o) for o in got)
+        steps += 1
+    assert not wired.has_unfinished_requests() and not decoder._state
+    assert steps > 6 and len(sizes["r2"]) == 1           # FINAL_ONLY: one output
+    assert sizes["r1"][1] < sizes["r1"][0]                # the prompt part went once
+    assert all(o.finished for o in last.values()) and len(last["r1"].outputs) == 2
+    if stop.strip():
+        assert last["r0"].outputs[0].finish_reason == "stop"

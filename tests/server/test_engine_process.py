@@ -13,7 +13,6 @@ import asyncio
 import dataclasses
 import multiprocessing
 import os
-import pickle
 import queue
 import re
 import signal
@@ -28,8 +27,8 @@ from server_helpers import MODEL, metric, sse_events, wait_until_idle
 
 from jaxllm.engine.async_engine import EngineDeadError
 from jaxllm.engine.core_client import MPAsyncLLMEngine, _remote_error
-from jaxllm.engine.output_wire import OutputDecoder, OutputEncoder
-from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxllm.engine.output_wire import OutputDecoder
+from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -39,12 +38,12 @@ LONG = {"model": MODEL, "prompt": "the quick brown fox", "max_tokens": 240,
 
 def slow_steps(engine) -> None:
     """MPAsyncLLMEngine's setup hook, run in the engine process."""
-    step = engine.step
+    step = engine.step_deltas
 
     def slow_step():
         time.sleep(0.004)
         return step()
-    engine.step = slow_step
+    engine.step_deltas = slow_step
 
 
 @pytest.fixture(scope="module")
@@ -67,28 +66,29 @@ def collect(engine, request_id: str, prompt, params) -> list[RequestOutput]:
     return asyncio.run(run())
 
 
-def test_wire_format_rebuilds_cumulative_outputs():
-    """Deltas through pickle give back equal RequestOutputs: n=2, logprobs, a text
-    that shrinks (only growth happens in fact), the prompt sent once."""
-    lp = [{7: Logprob(-0.5, 1, "a")}, {8: Logprob(-1.0, 2, "b")}, {9: Logprob(-2.0, 1, "c")}]
-    texts, finishes = ["a", "ab", "aX", "aXc"], [None, None, None, "length"]
-    enc, dec = OutputEncoder(), OutputDecoder()
-    sizes = []
-    for step in range(4):
-        outs = [CompletionOutput(i, texts[step] * (i + 1), list(range(step + i)), -1.0 * step,
-                                 lp[:step], finishes[step]) for i in range(2)]
-        original = RequestOutput("r", "prompt", [1, 2, 3], [None, {2: Logprob(-3.0)}], outs,
-                                 step == 3, num_cached_tokens=step, metrics=("m", step))
-        wire = pickle.dumps(enc.encode(original))
-        sizes.append(len(wire))
-        assert dec.decode(pickle.loads(wire)) == original
-    assert sizes[1] < sizes[0]                     # the prompt went once
-    assert not enc._sent and not dec._state        # finished: both forget the request
-    enc.encode(dataclasses.replace(original, finished=False))
-    late = enc.encode(dataclasses.replace(original, finished=False))
+def test_decoder_forgets_and_remote_errors_carry_the_traceback():
+    dec = OutputDecoder()
+    metrics = (None, ("m",))
+    first = ("r", ("p", [1], None), [(0, "ab", [5, 6], None, None, None, None)], False, 0,
+             metrics)
+    assert dec.decode(first).outputs[0].text == "ab"
+    dec.forget("r")
+    late = ("r", None, [(2, "c", [7], None, None, None, None)], False, 0, metrics)
     assert dec.decode(late) is None                # no header: forgotten (aborted) here
     error = _remote_error(None, "Traceback ...\nKeyError: 'x'\n")
     assert "KeyError: 'x'" in str(error) and "Traceback" in str(error.__cause__)
+
+
+def test_text_prompts_are_tokenized_in_the_server_process(mp_engine):
+    params = SamplingParams(max_tokens=3)
+    add = mp_engine._tokenized(("add", "r", "hello world", params, 1.0))
+    ids = mp_engine.engine.tokenizer.encode("hello world")
+    assert add == ("add", "r", {"prompt": "hello world", "prompt_token_ids": ids}, params, 1.0)
+    assert mp_engine._tokenized(("add", "r", {"prompt": "hi"}, params, 1.0))[2] == \
+        {"prompt": "hi", "prompt_token_ids": mp_engine.engine.tokenizer.encode("hi")}
+    for kept in (("add", "r", [5, 6], params, 1.0), ("abort", "r"),
+                 ("add", "r", {"prompt_token_ids": [5]}, params, 1.0)):
+        assert mp_engine._tokenized(kept) is kept
 
 
 def test_engine_outputs_equal_in_thread_engine(mp_engine, async_engine):
