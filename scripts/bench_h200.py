@@ -46,9 +46,25 @@ def bench_latency(llm, vocab, args):
     prompts = random_prompts(rng, 8, 32, vocab)
     params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
     timed_generate(llm, prompts, params)                       # warm
-    times = [timed_generate(llm, prompts, params)[0] for _ in range(args.repeat)]
+    runs = [timed_generate(llm, prompts, params) for _ in range(args.repeat)]
+    times = [t for t, _ in runs]
     return {"latency_ms_median": 1000 * statistics.median(times),
-            "latency_ms_all": [round(1000 * t, 1) for t in times]}
+            "latency_ms_all": [round(1000 * t, 1) for t in times],
+            "phases_ms": latency_phases(*runs[-1])}
+
+
+def latency_phases(total_s, outs):
+    """Where the last run's time went, from the requests' own timestamps: until the
+    first token (the prefill step, read back), the decode tokens after it, and the
+    rest of generate() (adding the requests before, returning after)."""
+    m = [o.metrics for o in outs]
+    start = min(x.arrival_time for x in m)
+    first = max(x.first_token_time for x in m) - start
+    decode = max(x.finished_time for x in m) - max(x.first_token_time for x in m)
+    tokens = len(outs[0].outputs[0].token_ids)
+    return {"first_token": round(1000 * first, 2), "decode": round(1000 * decode, 2),
+            "decode_per_token": round(1000 * decode / max(tokens - 1, 1), 3),
+            "other": round(1000 * (total_s - first - decode), 2)}
 
 
 def bench_decode1(llm, vocab, args):

@@ -349,25 +349,33 @@ class EngineCore:
         self._sender = threading.Thread(target=self._send_loop, name="jaxllm-core-sender",
                                         daemon=True)
         self._sender.start()
-        self._steps, self._step_s, self._most_pending = 0, 0.0, 0
+        self._steps, self._most_pending = 0, 0
+        self._seconds = {"steps": 0.0, "commands": 0.0, "busy": 0.0}
 
     def run(self) -> None:
+        seconds = self._seconds
         try:
             while (commands := self._receive()) is not None:
+                t0 = time.perf_counter()
                 if commands:   # acknowledged before a long step: bad requests fail at once
                     added, aborted = self._apply(commands)
                     self._send(("added", added, aborted, self.engine.get_stats()))
+                    seconds["commands"] += time.perf_counter() - t0
                 if self.engine.has_unfinished_requests():
-                    t0 = time.perf_counter()
+                    t1 = time.perf_counter()
                     deltas = self.engine.step_deltas()
-                    self._step_s += time.perf_counter() - t0
+                    seconds["steps"] += time.perf_counter() - t1
                     self._steps += 1
                     self._send(("outputs", deltas, self.engine.get_stats()))
+                    seconds["busy"] += time.perf_counter() - t0
         finally:
             self._pending.put(None)     # flush what is queued, then stop the sender
             self._sender.join()
-            logger.info("engine core: %d steps, %.1f s in steps, at most %d messages "
-                        "waiting for the server process", self._steps, self._step_s,
+            # busy: loop turns that stepped, from the commands' receipt on; what is
+            # neither steps nor commands is the loop's own (stats, queueing outputs).
+            logger.info("engine core: %d steps, %.1f s in steps, %.1f s applying commands, "
+                        "%.1f s busy; at most %d messages waiting for the server process",
+                        self._steps, seconds["steps"], seconds["commands"], seconds["busy"],
                         self._most_pending)
 
     def _send(self, message: tuple) -> None:
