@@ -42,8 +42,15 @@ def ref_paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, *, s
 
 
 def default_k_splits(num_seqs, num_kv_heads, max_steps):
-    """Enough programs for a few waves on the card, but >= 2 steps per split."""
-    want = common.next_pow2(common.cdiv(8 * NUM_SMS, num_seqs * num_kv_heads))
+    """About one wave of programs on the card, but >= 2 steps per split.
+
+    Measured in the 8B decode step on the H200 (scripts/decode_splits_probe.py; 8 KV
+    heads, block tables 2048 tokens wide): at 8 sequences 4 splits beat the 16 that
+    a target of 8 waves gave (4.21 / 4.49 / 4.77 ms against 4.33 / 4.57 / 4.84 ms at
+    contexts 100 / 1000 / 2000), and at 64 sequences 1 split beat 4 (6.98 against
+    7.15 ms at context 1000): each split costs a partial-output write and the combine
+    kernels, more than the idle SMs save."""
+    want = common.next_pow2(common.cdiv(NUM_SMS, num_seqs * num_kv_heads))
     return max(1, min(want, max_steps // 2))
 
 
