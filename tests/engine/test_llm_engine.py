@@ -282,3 +282,17 @@ def test_step_deltas_rebuild_the_outputs_of_step(llama):
     assert all(o.finished for o in last.values()) and len(last["r1"].outputs) == 2
     if stop.strip():
         assert last["r0"].outputs[0].finish_reason == "stop"
+
+
+def test_default_token_budget_follows_vllms_server_rule():
+    from types import SimpleNamespace
+    from jaxllm.engine.llm_engine import default_token_budget
+
+    def device(platform, kind, gib):
+        return SimpleNamespace(platform=platform, device_kind=kind,
+                               memory_stats=lambda: {"bytes_limit": int(gib * (1 << 30))})
+    assert default_token_budget(device("gpu", "NVIDIA H200", 104.85)) == 8192
+    assert default_token_budget(device("gpu", "NVIDIA H100 80GB HBM3", 59.7)) == 8192
+    assert default_token_budget(device("gpu", "NVIDIA A100-SXM4-80GB", 59.7)) == 2048
+    assert default_token_budget(device("gpu", "NVIDIA L4", 16.6)) == 2048
+    assert default_token_budget(device("cpu", "cpu", 0)) == 2048
