@@ -29,9 +29,9 @@ import os
 import pickle
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 
@@ -201,47 +201,98 @@ class Program:
     """One program of the warm-up. `name`: how the runner finds it at dispatch (with
     its static arguments); `args`: the traced arguments its store key covers (arrays
     or ShapeDtypeStructs; the step's weights are in the store's static part);
-    `lower`: traces and lowers it."""
+    `jitted(*call_args)`: the call it compiles."""
     name: tuple
     args: tuple
-    lower: Callable[[], Any]
+    jitted: Any                     # a jax.jit function
+    call_args: tuple
+
+    def trace(self):
+        return self.jitted.trace(*self.call_args)
+
+    def lower(self):
+        return self.trace().lower()
+
+
+class CompileQueue:
+    """Programs made ready while the caller goes on: each is loaded from the store,
+    else lowered on the calling thread (Python, under the GIL) and its XLA compile
+    handed at once to one of `compile_workers` threads (XLA compiles outside the
+    GIL), so compiling overlaps the next programs' lowering. Lowering keeps the
+    given order, so the programs, and jax's persistent-cache keys, are the same on
+    every start. Each compiled program is saved to the store."""
+
+    def __init__(self, store: ExecutableStore | None, compile_workers: int,
+                 load_workers: int = 1):
+        self.store = store
+        self.load_workers = load_workers
+        self._pool = ThreadPoolExecutor(max(1, compile_workers))
+        self._futures: dict[tuple, Future] = {}
+        self.num_lowered, self.t_lower = 0, 0.0     # and the seconds spent at it
+
+    def __contains__(self, name: tuple) -> bool:
+        return name in self._futures
+
+    def submit(self, programs: list[Program]) -> None:
+        """Start every program not already queued (by name; the first of a name wins);
+        returns once all are lowered.
+
+        Loading runs on `load_workers` threads: on the CPU backend deserializing holds
+        the GIL (measured: a second thread made 4 loads slower, 5.3 s against 4.4 s)."""
+        unique: dict[tuple, Program] = {}
+        for p in programs:
+            if p.name not in self._futures:
+                unique.setdefault(p.name, p)
+        programs = list(unique.values())
+        keys = {p.name: self.store.key(p.name, p.args) for p in programs} if self.store else {}
+        loaded = {}
+        if self.store and programs:
+            with ThreadPoolExecutor(max(1, min(self.load_workers, len(programs)))) as pool:
+                loads = pool.map(lambda p: self.store.load(keys[p.name]), programs)
+                loaded = {p.name: x for p, x in zip(programs, loads) if x is not None}
+        for p in programs:
+            if p.name in loaded:
+                self._futures[p.name] = Future()
+                self._futures[p.name].set_result(loaded[p.name])
+                continue
+            t0 = time.perf_counter()
+            lowered = p.lower()
+            self.num_lowered += 1
+            self.t_lower += time.perf_counter() - t0
+            self._futures[p.name] = self._pool.submit(self._compile, lowered, keys.get(p.name))
+
+    def _compile(self, lowered, key: str | None) -> Loaded:
+        compiled = lowered.compile()
+        loaded = Loaded(compiled, peak_bytes(compiled))
+        if self.store:
+            self.store.save(key, *loaded)
+        return loaded
+
+    def result(self, name: tuple) -> Loaded:
+        return self._futures[name].result()
+
+    def results(self) -> dict[tuple, Loaded]:
+        """name -> Loaded for every program queued, once all are ready; closes the
+        queue (an error of any compile is raised here)."""
+        try:
+            return {name: future.result() for name, future in self._futures.items()}
+        finally:
+            self._pool.shutdown()
+
+    def cancel(self) -> None:
+        """Drop what is not compiling yet (the programs are stale) and close."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 def load_or_compile(programs: list[Program], store: ExecutableStore | None,
                     compile_workers: int, load_workers: int = 1) -> dict[tuple, Loaded]:
     """name -> Loaded for every program: from the store where it holds them, else
-    lowered here in the given order (so the programs, and jax's persistent-cache
-    keys, are the same on every start), compiled on `compile_workers` threads (XLA
-    compiles outside the GIL) and saved.
-
-    Loading runs on `load_workers` threads: on the CPU backend deserializing holds
-    the GIL (measured: a second thread made 4 loads slower, 5.3 s against 4.4 s)."""
+    lowered here and compiled on `compile_workers` threads (see CompileQueue)."""
     t0 = time.perf_counter()
-    out: dict[tuple, Loaded] = {}
-    keys = {p.name: store.key(p.name, p.args) for p in programs} if store else {}
-    if store and programs:
-        with ThreadPoolExecutor(max(1, min(load_workers, len(programs)))) as pool:
-            for p, loaded in zip(programs, pool.map(lambda p: store.load(keys[p.name]),
-                                                    programs)):
-                if loaded is not None:
-                    out[p.name] = loaded
-    t_load = time.perf_counter()
-    missing = [p for p in programs if p.name not in out]
-    lowered = [p.lower() for p in missing]
-
-    def compile_one(p: Program, low) -> Loaded:
-        compiled = low.compile()
-        loaded = Loaded(compiled, peak_bytes(compiled))
-        if store:
-            store.save(keys[p.name], *loaded)
-        return loaded
-
-    if missing:
-        with ThreadPoolExecutor(max(1, min(compile_workers, len(missing)))) as pool:
-            futures = [pool.submit(compile_one, p, low) for p, low in zip(missing, lowered)]
-            for p, future in zip(missing, futures):
-                out[p.name] = future.result()
-    logger.info("programs: %d loaded from the executable store in %.1f s, %d compiled in "
-                "%.1f s", len(programs) - len(missing), t_load - t0, len(missing),
-                time.perf_counter() - t_load)
+    queue = CompileQueue(store, compile_workers, load_workers)
+    queue.submit(programs)
+    out = queue.results()
+    logger.info("programs: %d loaded from the executable store, %d lowered (%.1f s on this "
+                "thread) and compiled, in %.1f s", len(programs) - queue.num_lowered,
+                queue.num_lowered, queue.t_lower, time.perf_counter() - t0)
     return out

@@ -123,6 +123,9 @@ class ModelRunner:
         # The warm-up's compiled programs, called directly: ("step", T, S, decode_only)
         # and ("sample", S, flags). Anything else goes through the jits above.
         self._programs: dict[tuple, jax.stages.Compiled] = {}
+        # Compiles started by the KV sizing for a pool of _queue_blocks; see warm_up.
+        self._queue: executable_store.CompileQueue | None = None
+        self._queue_blocks = 0
         self.store = self._open_store(treedef)
 
     def _open_store(self, treedef) -> executable_store.ExecutableStore | None:
@@ -148,22 +151,22 @@ class ModelRunner:
     # ------------------------------------------------------------ KV pool
     def initialize_kv_cache(self) -> kv_cache.MemoryReport:
         """Size and allocate the pool. On a GPU: from the largest step's compiled
-        memory analysis (kv_cache.fit_to_device); that step is kept for the warm-up."""
+        memory analysis (kv_cache.fit_to_device), which only checks a size planned
+        from `activation_bound`; so while that step compiles, the warm-up's other
+        programs are lowered for the same pool and queued to compile (warm_up
+        collects them; a pool of another size makes them stale)."""
         cache_cfg = self.config.cache
         weights = kv_cache.device_bytes(self._leaves)
         limit = self._device_limit()
         dtype = kv_cache.cache_dtype(cache_cfg, self.model_dtype)
         sharding = mesh_lib.kv_cache_sharding(self.mesh, self.arch.num_kv_heads)
         t, s = self.plan.token_buckets[-1], self.plan.max_seqs
-        sized = {}     # num_blocks -> the largest step compiled for a pool of that size
 
         def step_peak(num_blocks: int) -> int | None:
             pool = kv_cache.abstract(self.arch, num_blocks, self.block_size, dtype, sharding,
                                      tp=self.mesh.size)
-            program = self._step_program(t, s, False, pool)
-            sized[num_blocks] = executable_store.load_or_compile(
-                [program], self.store, compile_workers=1)[program.name]
-            return sized[num_blocks].peak_bytes
+            self._queue_programs(num_blocks, pool)
+            return self._queue.result(("step", t, s, False)).peak_bytes
 
         if limit is not None and cache_cfg.num_gpu_blocks_override is None:
             report = kv_cache.fit_to_device(
@@ -181,10 +184,34 @@ class ModelRunner:
         self.kv_caches = kv_cache.allocate(self.arch, report.num_blocks, self.block_size,
                                            dtype, sharding, tp=self.mesh.size)
         self.num_blocks = report.num_blocks
-        if report.num_blocks in sized:
-            self._programs[("step", t, s, False)] = sized[report.num_blocks].compiled
+        if self._queue is not None and self._queue_blocks != report.num_blocks:
+            self._queue.cancel()
+            self._queue = None
+        if self._queue is not None and self.config.enforce_eager:    # no warm-up follows
+            self._programs.update((n, x.compiled) for n, x in self._queue.results().items())
+            self._queue = None
         logger.info("KV cache: %s", report.describe(self.block_size))
         return report
+
+    def _queue_programs(self, num_blocks: int, pool) -> None:
+        """A fresh compile queue (any earlier one is stale): the largest step on an
+        abstract `pool` of `num_blocks` first, the KV sizing's program, then unless
+        enforce_eager the warm-up's others for the same pool."""
+        if self._queue is not None:
+            self._queue.cancel()
+        self._queue, self._queue_blocks = self._compile_queue(), num_blocks
+        t, s = self.plan.token_buckets[-1], self.plan.max_seqs
+        programs = [self._step_program(t, s, False, pool)]
+        if not self.config.enforce_eager:
+            programs += self._warm_up_programs(pool)
+        self._queue.submit(programs)
+
+    def _compile_queue(self) -> executable_store.CompileQueue:
+        # Deserializing holds the GIL on the CPU backend (executable_store); on a GPU
+        # it is mostly loading kernels, so threads may overlap it.
+        cpu = self.mesh.local_devices[0].platform == "cpu"
+        return executable_store.CompileQueue(self.store, min(os.cpu_count() or 1, 16),
+                                             load_workers=1 if cpu else 8)
 
     def _device_limit(self) -> int | None:
         """The device's byte limit; None on CPU, where the pool has a configured size."""
@@ -382,38 +409,39 @@ class ModelRunner:
         """The step for one bucket, lowered with the very arguments a real call passes.
         Its store key leaves out the weights (part of the store's static part)."""
         args = self._step_args(self._dummy_arrays(t, s), decode_only, kv_caches)
-        return executable_store.Program(("step", t, s, decode_only), args[1:],
-                                        functools.partial(self._step.lower, *args))
+        return executable_store.Program(("step", t, s, decode_only), args[1:], self._step, args)
 
-    def _warm_up_programs(self) -> list[executable_store.Program]:
+    def _warm_up_programs(self, kv_caches=None) -> list[executable_store.Program]:
+        """Every bucket's step (on `kv_caches`, else the runner's pool), then the
+        sampler variants for each sequence bucket."""
         shapes = self.plan.all_shapes()
-        programs = [self._step_program(*shape) for shape in shapes]
+        programs = [self._step_program(*shape, kv_caches) for shape in shapes]
         for s in sorted({s for _, s, _ in shapes}):
             # The sampler sees the step's logits: float32 [S, V], replicated.
             logits = jax.device_put(np.zeros((s, self.arch.vocab_size), np.float32),
                                     self._replicated)
             md = _dummy_sampling_md(s)
             programs += [executable_store.Program(
-                ("sample", s, flags), (logits, md, self._token_buf),
-                functools.partial(self._sample.lower, logits, md, flags, self._token_buf))
-                for flags in _sampler_variants()]
+                ("sample", s, flags), (logits, md, self._token_buf), self._sample,
+                (logits, md, flags, self._token_buf)) for flags in _sampler_variants()]
         return programs
 
     def warm_up(self) -> float:
         """Have every bucket's program (model step and each sampler variant) compiled,
-        or loaded from the executable store, and keep them for dispatch."""
+        or loaded from the executable store, and keep them for dispatch. Those the KV
+        sizing queued are collected, not lowered again."""
         t0 = time.perf_counter()
-        programs = [p for p in self._warm_up_programs() if p.name not in self._programs]
-        # Deserializing holds the GIL on the CPU backend (executable_store); on a GPU
-        # it is mostly loading kernels, so threads may overlap it.
-        cpu = self.mesh.local_devices[0].platform == "cpu"
-        loaded = executable_store.load_or_compile(
-            programs, self.store, compile_workers=min(os.cpu_count() or 1, 16),
-            load_workers=1 if cpu else 8)
+        queue, self._queue = self._queue or self._compile_queue(), None
+        programs = [p for p in self._warm_up_programs()
+                    if p.name not in self._programs and p.name not in queue]
+        queue.submit(programs)
+        loaded = queue.results()
         self._programs.update((name, x.compiled) for name, x in loaded.items())
         elapsed = time.perf_counter() - t0
-        logger.info("warm-up: %d programs ready in %.1f s%s", len(programs), elapsed,
-                    f" ({self.store.loads} loaded from the executable store)" if self.store else "")
+        logger.info("warm-up: %d programs ready in %.1f s (%d lowered and compiled, %.1f s "
+                    "lowering on this thread)%s", len(loaded), elapsed, queue.num_lowered,
+                    queue.t_lower, f" ({self.store.loads} loaded from the executable store)"
+                    if self.store else "")
         return elapsed
 
     # ------------------------------------------------------------ swap

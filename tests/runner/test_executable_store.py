@@ -11,6 +11,7 @@ import pickle
 import shutil
 import subprocess
 import sys
+import threading
 
 import jax
 import pytest
@@ -233,6 +234,71 @@ def test_gpu_sizing_path_with_a_fake_device_limit(first, tmp_path, monkeypatch):
     peak = runner.store.load(runner.store.key(*_largest(runner))).peak_bytes
     assert peak + kv_cache.HEADROOM <= int(limit * 0.9)
     assert generate(shrunk) == tokens
+
+
+def test_gpu_sizing_queues_the_warm_up(first, tmp_path, monkeypatch, count_traces):
+    """Without enforce_eager the KV sizing lowers every warm-up program for the pool it
+    plans and queues their compiles beside its own; warm_up only collects them, and
+    they run on the allocated pool (a call the program rejected would fall back to
+    the jit, which traces). A restart loads them all. When the planned pool does not
+    fit, that queue is stale: dropped, and every program compiles for the pool that does."""
+    folder, _, _, tokens = first
+    monkeypatch.setattr(ModelRunner, "_device_limit", lambda self: 300 << 20)
+    queued, warm_up = [], ModelRunner.warm_up
+
+    def spy(self):
+        queued.append(set(self._queue._futures))
+        return warm_up(self)
+
+    monkeypatch.setattr(ModelRunner, "warm_up", spy)
+    for shrink in (False, True):
+        if shrink:
+            monkeypatch.setattr(kv_cache, "activation_bound", lambda *args, **kwargs: 0)
+        cache = str(tmp_path / f"xla{shrink}")
+        llm = LLM(folder, compilation_cache_dir=cache, **ENGINE)
+        runner = llm.llm_engine.runner
+        assert len(runner._programs) == NUM_PROGRAMS and queued[-1] == set(runner._programs)
+        # Shrinking: the stale queue's compiles already running still finish and save,
+        # and the sampler's (which take no pool) are loaded by the second queue.
+        if not shrink:
+            assert (runner.store.loads, runner.store.saves) == (0, NUM_PROGRAMS)
+        count_traces.clear()
+        assert generate(llm) == tokens and count_traces == []
+        if not shrink:
+            again = LLM(folder, compilation_cache_dir=cache, **ENGINE).llm_engine.runner
+            assert (again.store.loads, again.store.saves) == (NUM_PROGRAMS, 0)
+            assert again.num_blocks == runner.num_blocks
+
+
+def test_compiles_start_while_later_programs_lower():
+    """A program's compile is handed to the pool as soon as it is lowered, not once
+    every program is: here the second program's lowering waits for the first compile."""
+    started = threading.Event()
+    waited = []
+
+    class Jitted:
+        def __init__(self, wait):
+            self.wait = wait
+
+        def trace(self):
+            if self.wait:
+                waited.append(started.wait(timeout=30))
+            return self
+
+        def lower(self):
+            return self
+
+        def compile(self):
+            started.set()
+            return Compiled()
+
+    class Compiled:
+        def memory_analysis(self):
+            return None
+
+    programs = [executable_store.Program(("p", i), (), Jitted(i > 0), ()) for i in range(2)]
+    out = executable_store.load_or_compile(programs, None, compile_workers=2)
+    assert waited == [True] and set(out) == {("p", 0), ("p", 1)}
 
 
 def _largest(runner):
