@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Start-up time of `jaxllm serve` to /health answering (docs/benchmarks.md's method):
 # a cold start on an empty compilation cache folder, then a warm restart on the same
-# folder. Prints seconds to /health and the engine's own breakdown per start.
+# folder. Prints seconds to /health and the start-up timeline the log gives per start:
+# the engine's breakdown ("engine ready in"), the engine process's from its spawn
+# ("engine core ready"), and the server process's to listening ("server ready in").
 #
 #   bash scripts/startup_time.sh                 # default model, cold then warm
 #   RUNS=warm CACHE=/tmp/xc bash scripts/startup_time.sh --max-num-seqs 64
@@ -24,7 +26,7 @@ start() {   # $1: cold | warm
     --compilation-cache-dir "$CACHE"
   stop_server
   echo "$1 start to /health: $READY_S s"
-  grep -h "engine ready\|programs:" "$log" | sed 's/^/  /'
+  grep -h "engine ready\|programs:\|engine core ready\|server ready" "$log" | sed 's/^/  /'
 }
 
 ARGS=("$@")

@@ -20,6 +20,7 @@ turns true (the server answers 503), as when AsyncLLMEngine's thread dies.
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import multiprocessing
 import pickle
@@ -50,26 +51,48 @@ class EngineInfo:
     eos_token_id: int | None
 
 
+@dataclass
+class SpawnedEngine:
+    """An engine process spawned and still loading: `jaxllm serve` spawns it before
+    its own imports, so that they overlap the engine's start-up."""
+    process: multiprocessing.process.BaseProcess
+    commands_conn: Any           # commands to the engine process
+    outputs_conn: Any            # its messages
+    spawned_at: float            # time.perf_counter() here
+
+
+def spawn_engine(config, setup: Callable | None = None) -> SpawnedEngine:
+    """Start the engine process (see MPAsyncLLMEngine for ``setup``); it is a daemon,
+    so it ends with this process if nobody waits for it."""
+    ctx = multiprocessing.get_context("spawn")   # jax must never be forked
+    child_commands, commands_conn = ctx.Pipe(duplex=False)
+    outputs_conn, child_outputs = ctx.Pipe(duplex=False)
+    process = ctx.Process(
+        target=run_engine_core, name="jaxllm-engine-core", daemon=True,
+        args=(config, child_commands, child_outputs, setup,
+              logging.getLogger().getEffectiveLevel(), time.time()))
+    spawned_at = time.perf_counter()
+    process.start()
+    child_commands.close()   # so that the engine process's exit reads as EOF here
+    child_outputs.close()
+    return SpawnedEngine(process, commands_conn, outputs_conn, spawned_at)
+
+
 class MPAsyncLLMEngine:
-    """Starts the engine process and waits until its engine is built (an error
-    there is raised here, the engine process's traceback as its cause).
+    """Starts the engine process (or takes one from spawn_engine) and waits until its
+    engine is built (an error there is raised here, the engine process's traceback as
+    its cause).
 
     ``setup``: a picklable callable run on the LLMEngine in the engine process once
     it is built (benchmarks swap the device for a simulated one with it).
+    ``ready_message_s``: the seconds its ready message took to read (unpickle).
     """
 
     def __init__(self, config, metrics: EngineMetrics | None = None,
-                 setup: Callable | None = None):
-        ctx = multiprocessing.get_context("spawn")   # jax must never be forked
-        child_commands, self._commands_conn = ctx.Pipe(duplex=False)
-        self._outputs_conn, child_outputs = ctx.Pipe(duplex=False)
-        self.process = ctx.Process(
-            target=run_engine_core, name="jaxllm-engine-core", daemon=True,
-            args=(config, child_commands, child_outputs, setup,
-                  logging.getLogger().getEffectiveLevel()))
-        self.process.start()
-        child_commands.close()   # so that the engine process's exit reads as EOF here
-        child_outputs.close()
+                 setup: Callable | None = None, spawned: SpawnedEngine | None = None):
+        spawned = spawned or spawn_engine(config, setup)
+        self.process = spawned.process
+        self._commands_conn, self._outputs_conn = spawned.commands_conn, spawned.outputs_conn
         try:
             self.engine, stats = self._wait_until_ready()
         except BaseException as e:
@@ -85,6 +108,7 @@ class MPAsyncLLMEngine:
         self._commands: list[tuple] = []             # sent in order by the writer thread
         self._queues: dict[str, _OutputQueue] = {}   # requests in the engine, by id
         self._decoder = OutputDecoder()             # reader thread only
+        self._writer_tokenizer = self.engine.tokenizer   # a copy once the writer starts
         self._stopped = False
         self._writer = threading.Thread(target=self._write, name="jaxllm-core-writer",
                                         daemon=True)
@@ -174,10 +198,13 @@ class MPAsyncLLMEngine:
     # ------------------------------------------------------------ start-up
     def _wait_until_ready(self) -> tuple[EngineInfo, Any]:
         try:
-            kind, *payload = self._outputs_conn.recv()
+            message = self._outputs_conn.recv_bytes()
         except EOFError:
             raise RuntimeError(f"the engine process exited while starting "
                                f"({self._exit_status()}); its log is above") from None
+        t1 = time.perf_counter()
+        kind, *payload = pickle.loads(message)   # the tokenizer: tenths of a second
+        self.ready_message_s = time.perf_counter() - t1
         if kind == "failed":
             raise _remote_error(*payload)
         return payload[0], payload[1]
@@ -195,6 +222,12 @@ class MPAsyncLLMEngine:
         step's worth of long prompts) blocks this thread, not the event loop. Text
         prompts are tokenized here, as vLLM's front end does: in the engine process
         1000 prompts of 1024 tokens would hold the device up for a second."""
+        # A copy of its own: a fast tokenizer used from two threads at once can fail
+        # ("Already borrowed"), and the event loop uses the engine's copy.
+        try:
+            self._writer_tokenizer = copy.deepcopy(self.engine.tokenizer)
+        except Exception:  # noqa: BLE001 - not copyable: encode under the shared one
+            self._writer_tokenizer = self.engine.tokenizer
         while True:
             with self._cond:
                 while not (self._commands or self._stopped or self.dead_error):
@@ -223,7 +256,7 @@ class MPAsyncLLMEngine:
         if not isinstance(prompt, str):
             return command
         try:
-            ids = self.engine.tokenizer.encode(prompt)
+            ids = self._writer_tokenizer.encode(prompt)
         except Exception:  # noqa: BLE001 - the engine process raises it for the request
             return command
         return command[:2] + ({"prompt": prompt, "prompt_token_ids": ids},) + command[3:]
@@ -304,8 +337,11 @@ class MPAsyncLLMEngine:
 
 # ---------------------------------------------------------------- engine process
 
-def run_engine_core(config, commands, outputs, setup=None, log_level=logging.INFO) -> None:
-    """The engine process: build the LLMEngine, say ready, then serve commands."""
+def run_engine_core(config, commands, outputs, setup=None, log_level=logging.INFO,
+                    spawned_at: float | None = None) -> None:
+    """The engine process: build the LLMEngine, say ready, then serve commands.
+    spawned_at: time.time() when the server process spawned this one."""
+    started = time.time()
     # Ctrl-C reaches the whole process group; the server process decides when the
     # engine stops (after streams had their grace period).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -313,15 +349,27 @@ def run_engine_core(config, commands, outputs, setup=None, log_level=logging.INF
     if logging.getLogger("jax").level == logging.NOTSET:
         logging.getLogger("jax").setLevel(logging.WARNING)
     try:
+        seconds = {"spawn_s": started - (spawned_at or started)}   # interpreter, imports
+        t = time.perf_counter()
         from jaxllm.config_file import prepare_launch
         from jaxllm.engine.llm_engine import LLMEngine
+        seconds["imports_s"] = time.perf_counter() - t
+        t = time.perf_counter()
         prepare_launch(config)   # the compile cache, jax.distributed, the device checks
+        seconds["launch_s"] = time.perf_counter() - t
+        t = time.perf_counter()
         engine = LLMEngine(config)
         if setup is not None:
             setup(engine)
+        seconds["engine_s"] = time.perf_counter() - t
+        t = time.perf_counter()
         info = EngineInfo(engine.tokenizer, engine.model_name, engine.max_model_len,
                           engine.eos_token_id)
         outputs.send(("ready", info, engine.get_stats()))
+        seconds["ready_message_s"] = time.perf_counter() - t   # until the server reads it
+        logger.info("engine core ready %.1f s after its spawn (%s)",
+                    time.time() - (spawned_at or started),
+                    ", ".join(f"{k} {v:.1f}" for k, v in seconds.items()))
     except BaseException as e:  # noqa: BLE001 - reported to the server process
         outputs.send(("failed", *_describe(e)))
         raise SystemExit(1)

@@ -75,8 +75,10 @@ class _Group:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
+        from concurrent.futures import ThreadPoolExecutor
+
         import jax
-        from jaxllm.models.loader import get_tokenizer, load_model
+        from jaxllm.models.loader import load_model, load_tokenizer
         from jaxllm.parallel import distributed, mesh as mesh_lib
         from jaxllm.runner.model_runner import ModelRunner
 
@@ -86,16 +88,17 @@ class LLMEngine:
         distributed.check_config(config)
         distributed.initialize(config.parallel)     # multi-host; a no-op on one process
         self.mesh = mesh_lib.make_mesh(config.parallel.tensor_parallel_size)
-        loaded = load_model(mc.model, mc.dtype, mc.load_format,
-                            mesh_lib.param_shardings(self.mesh), mc.seed)
+        # The tokenizer loads on a thread while the weights load: importing transformers
+        # alone takes seconds, while the weights mostly wait on the device or on reads.
+        with ThreadPoolExecutor(1, thread_name_prefix="jaxllm-tokenizer") as pool:
+            tokenizer = pool.submit(load_tokenizer, mc)
+            loaded = load_model(mc.model, mc.dtype, mc.load_format,
+                                mesh_lib.param_shardings(self.mesh), mc.seed)
+            t_weights = time.perf_counter()
+            self.tokenizer = tokenizer.result()
+        t_tokenizer = time.perf_counter()
         self.arch = loaded.arch
         self.model_path = loaded.source
-        self.tokenizer = get_tokenizer(
-            loaded.source, mc.tokenizer,
-            vocab_size=self.arch.vocab_size if mc.load_format == "dummy" else None)
-        if mc.chat_template:
-            with open(mc.chat_template) as f:
-                self.tokenizer.chat_template = f.read()
         # The same checks the CLI runs before loading (context length, batch budget, TP).
         check_against_model(config, self.arch, loaded.source)
         self.max_model_len = effective_max_model_len(config, self.arch)
@@ -119,11 +122,14 @@ class LLMEngine:
         if not config.enforce_eager:
             self.runner.warm_up()
         self.startup_seconds = time.perf_counter() - t0
-        # Where start-up went: weights (built or read), KV sizing (on a GPU: the largest
-        # step compiled or loaded, for its memory analysis) and allocation, and warm-up
-        # (the other programs compiled, or loaded from the executable store).
-        self.startup_breakdown = {"load_s": t_load - t0, "kv_cache_s": t_kv - t_load,
-                                  "warm_up_s": time.perf_counter() - t_kv}
+        # Where start-up went: weights (built or read), the wait for the tokenizer after
+        # them, the model runner, KV sizing (on a GPU: the largest step compiled or
+        # loaded, for its memory analysis) and allocation, and warm-up (the other
+        # programs compiled, or loaded from the executable store). load_s: the three after it.
+        self.startup_breakdown = {
+            "load_s": t_load - t0, "weights_s": t_weights - t0,
+            "tokenizer_wait_s": t_tokenizer - t_weights, "runner_s": t_load - t_tokenizer,
+            "kv_cache_s": t_kv - t_load, "warm_up_s": time.perf_counter() - t_kv}
         self.eos_token_id = self.arch.eos_token_id[0] if self.arch.eos_token_id else \
             self.tokenizer.eos_token_id
         self.groups: dict[str, _Group] = {}

@@ -13,6 +13,7 @@ import difflib
 import json
 import logging
 import sys
+import time
 
 from jaxllm.compilation_cache import DEFAULT_DIR
 from jaxllm.config import FLAT_KEYS, SECTIONS, ConfigError, EngineConfig, flat_from_config
@@ -249,8 +250,13 @@ def report_cache() -> None:
 
 def cmd_serve(args) -> int:
     config, _ = launch_config(args, engine_process=True)
+    spawned = None
+    if not config.server.disable_frontend_multiprocessing:
+        # The engine process loads while this one imports the server (a second or so).
+        from jaxllm.engine.core_client import spawn_engine
+        spawned = spawn_engine(config)
     from jaxllm.entrypoints.openai.api_server import run_server
-    run_server(config)
+    run_server(config, spawned=spawned, started=getattr(args, "started", None))
     return 0
 
 
@@ -358,7 +364,9 @@ def cmd_bench(args) -> int:
 
 
 def main(argv=None) -> int:
+    started = time.perf_counter()
     args = parse_args(argv)
+    args.started = started      # where `serve`'s start-up timeline begins
     if not logging.getLogger().handlers:      # the engine's start-up lines, on stderr
         logging.basicConfig(level=logging.INFO,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")

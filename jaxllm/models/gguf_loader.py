@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import struct
 
 import numpy as np
 
@@ -154,27 +155,43 @@ class GGUFFile:
 
     def tokenizer(self):
         """A transformers PreTrainedTokenizerFast built from the GGUF header (torch-free)."""
-        from transformers import PreTrainedTokenizerFast
-        from transformers.integrations.gguf import convert_gguf_tokenizer
-        m = self.meta
-        tokens = list(m["tokenizer.ggml.tokens"])
-        tok_dict = {
-            "tokenizer_type": m.get("tokenizer.ggml.model"),
-            "pre_tokenizer_type": m.get("tokenizer.ggml.pre"),
-            "tokens": tokens,
-            "token_type": list(m.get("tokenizer.ggml.token_type") or []),
-            "merges": list(m.get("tokenizer.ggml.merges") or []),
-            "add_prefix_space": m.get("tokenizer.ggml.add_space_prefix", False),
-        }
-        special = {}
-        for key in ("bos", "eos", "unk", "padding"):
-            tid = m.get(f"tokenizer.ggml.{key}_token_id")
-            if tid is not None:
-                tok_dict[f"{'pad' if key == 'padding' else key}_token_id"] = tid
-                special[f"{'pad' if key == 'padding' else key}_token"] = tokens[tid]
-        model_type = "llama" if self.arch_name in ("llama", "mistral") else self.arch_name
-        backend, _ = convert_gguf_tokenizer(model_type, tok_dict)
-        tok = PreTrainedTokenizerFast(
-            tokenizer_object=backend, chat_template=m.get("tokenizer.chat_template"),
-            **special)
-        return tok
+        return tokenizer_from_meta(self.meta)
+
+
+def gguf_tokenizer(path: str):
+    """The tokenizer of a GGUF file from its header alone: milliseconds, where the
+    `gguf` reader that the weights need takes seconds to open, so the engine loads
+    the tokenizer on a thread of its own while the weights load."""
+    from jaxllm.config_file import read_gguf_header
+    from jaxllm.models.loader import CheckpointError
+    try:
+        meta, _ = read_gguf_header(path)
+    except (OSError, ValueError, KeyError, IndexError, struct.error) as e:
+        raise CheckpointError(f"{path}: not a readable GGUF file ({e})") from None
+    return tokenizer_from_meta(meta)
+
+
+def tokenizer_from_meta(m: dict):
+    """A transformers PreTrainedTokenizerFast from GGUF metadata (torch-free)."""
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf import convert_gguf_tokenizer
+    tokens = list(m["tokenizer.ggml.tokens"])
+    tok_dict = {
+        "tokenizer_type": m.get("tokenizer.ggml.model"),
+        "pre_tokenizer_type": m.get("tokenizer.ggml.pre"),
+        "tokens": tokens,
+        "token_type": list(m.get("tokenizer.ggml.token_type") or []),
+        "merges": list(m.get("tokenizer.ggml.merges") or []),
+        "add_prefix_space": m.get("tokenizer.ggml.add_space_prefix", False),
+    }
+    special = {}
+    for key in ("bos", "eos", "unk", "padding"):
+        tid = m.get(f"tokenizer.ggml.{key}_token_id")
+        if tid is not None:
+            tok_dict[f"{'pad' if key == 'padding' else key}_token_id"] = tid
+            special[f"{'pad' if key == 'padding' else key}_token"] = tokens[tid]
+    arch = m.get("general.architecture")
+    backend, _ = convert_gguf_tokenizer("llama" if arch in ("llama", "mistral") else arch,
+                                        tok_dict)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, chat_template=m.get("tokenizer.chat_template"), **special)

@@ -2,6 +2,10 @@
 (`dummy`) weights built on the device. Arrays go straight into their target sharding.
 
 Letter legend as in models/llama.py: E hidden, Q/K heads, D head dim, F MLP width, V vocab.
+
+jax and flax are imported by the functions that use them: `jaxllm serve`'s server
+process checks the model's config through this module, and importing them there would
+hold up the engine process's spawn by a second or more.
 """
 from __future__ import annotations
 
@@ -9,14 +13,14 @@ import functools
 import json
 import os
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from jaxllm.models.registry import ArchConfig, arch_from_hf_config, get_model_class
+
+if TYPE_CHECKING:
+    from flax import nnx
 
 
 class CheckpointError(ValueError):
@@ -72,6 +76,7 @@ WEIGHT_MAP: dict[str, tuple[tuple[str, ...], Callable]] = {
 
 
 def resolve_dtype(name: str, hf_dtype: str | None = None):
+    import jax.numpy as jnp
     if name == "auto":
         name = {"float32": "float32", "float16": "float16"}.get(hf_dtype or "", "bfloat16")
     return {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}[name]
@@ -79,6 +84,7 @@ def resolve_dtype(name: str, hf_dtype: str | None = None):
 
 def abstract_model(arch: ArchConfig, dtype):
     """(graphdef, abstract state) without allocating anything."""
+    from flax import nnx
     cls = get_model_class(arch)
     model = nnx.eval_shape(lambda: cls(arch, dtype, rngs=nnx.Rngs(0)))
     return nnx.split(model)
@@ -101,6 +107,8 @@ def load_state(arch: ArchConfig, dtype, reader, shardings: Callable, source: str
 
     `shardings(path, logical_axes, shape)` gives each parameter's jax.sharding.Sharding.
     """
+    import jax
+    from flax import nnx
     graphdef, abstract = abstract_model(arch, dtype)
     leaves = []
     for path, var in nnx.to_flat_state(abstract):
@@ -147,6 +155,8 @@ def dummy_state(arch: ArchConfig, dtype, shardings: Callable, seed: int = 0):
     1, biases 0. One small generator is compiled per distinct (shape, dtype,
     sharding) -- about ten for a Llama -- instead of one program running every
     initializer of the model, which took minutes to compile for an 8B model."""
+    import jax
+    from flax import nnx
     graphdef, abstract = abstract_model(arch, dtype)
     key = jax.random.key(seed)
     flat, treedef = jax.tree_util.tree_flatten_with_path(abstract)
@@ -167,6 +177,8 @@ def dummy_state(arch: ArchConfig, dtype, shardings: Callable, seed: int = 0):
 
 
 def _dummy_array(key, *, shape, dtype, fill):
+    import jax
+    import jax.numpy as jnp
     if fill == "ones":
         return jnp.ones(shape, dtype)
     if fill == "zeros":
@@ -270,6 +282,7 @@ def load_model(path: str | None, dtype_name: str = "auto", load_format: str = "a
 
     `shardings(path, logical_axes, shape)` -> jax Sharding; default: the first device.
     """
+    import jax
     from jaxllm.models.gguf_loader import default_model_path, open_gguf
     if shardings is None:
         dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -305,10 +318,10 @@ def get_tokenizer(path: str | None, tokenizer: str | None = None,
 
     A folder with only config.json (a `--load-format dummy` shape) gets a placeholder
     when `vocab_size` is given: benchmarks feed token ids and need no real text."""
-    from jaxllm.models.gguf_loader import default_model_path, open_gguf
+    from jaxllm.models.gguf_loader import default_model_path, gguf_tokenizer
     path = tokenizer or path or default_model_path()
     if path.endswith(".gguf"):
-        return open_gguf(path).tokenizer()
+        return gguf_tokenizer(path)
     from transformers import AutoTokenizer
     if os.path.isdir(path) and not any(
             os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer.model")):
@@ -319,6 +332,23 @@ def get_tokenizer(path: str | None, tokenizer: str | None = None,
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path}: cannot load a tokenizer ({e})") from None
+
+
+def load_tokenizer(model_config):
+    """The engine's tokenizer (``config.model``'s): get_tokenizer's, a placeholder of
+    the model's vocabulary for a --load-format dummy folder without one, and
+    --chat-template's template if given. Reads no weights, so it can load on a thread
+    while they do."""
+    mc = model_config
+    vocab_size = None
+    if mc.load_format == "dummy" and mc.model and os.path.isdir(mc.model):
+        source = os.path.join(mc.model, "config.json")
+        vocab_size = arch_from_hf_config(read_hf_config(mc.model), source).vocab_size
+    tokenizer = get_tokenizer(mc.model, mc.tokenizer, vocab_size=vocab_size)
+    if mc.chat_template:
+        with open(mc.chat_template) as f:
+            tokenizer.chat_template = f.read()
+    return tokenizer
 
 
 def placeholder_tokenizer(vocab_size: int):

@@ -100,3 +100,50 @@ def test_bad_gguf_file(tmp_path):
     path.write_bytes(b"not a gguf file at all")
     with pytest.raises(CheckpointError, match="not a readable GGUF"):
         load_model(str(path))
+
+
+def test_gguf_tokenizer_from_the_header_is_the_readers():
+    """The engine builds the GGUF tokenizer from the header alone (on a thread, while
+    the weights load through the `gguf` reader): the same tokenizer as the reader's."""
+    from jaxllm.models.gguf_loader import default_model_path, gguf_tokenizer, open_gguf
+    path = default_model_path()
+    ours, reader = gguf_tokenizer(path), open_gguf(path).tokenizer()
+    assert ours.backend_tokenizer.to_str() == reader.backend_tokenizer.to_str()
+    assert ours.chat_template == reader.chat_template and ours.chat_template
+    assert ours.special_tokens_map == reader.special_tokens_map
+
+
+def test_load_tokenizer_placeholder_and_chat_template(tmp_path):
+    """A --load-format dummy folder with only config.json gets a placeholder of the
+    model's vocabulary; --chat-template's file replaces the template."""
+    from jaxllm.config import engine_config_from_flat
+    from jaxllm.models.loader import load_tokenizer
+    folder = tmp_path / "shape"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 300, "hidden_size": 64,
+        "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 128}))
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    config = engine_config_from_flat(model=str(folder), load_format="dummy",
+                                     chat_template=str(template))
+    tok = load_tokenizer(config.model)
+    assert len(tok) == 300 and tok.decode([7, 299]) == "t7 t299"
+    assert tok.chat_template == template.read_text()
+
+
+def test_model_checks_before_the_spawn_import_no_jax(tiny_model):
+    """`jaxllm serve` checks the model (config.json or GGUF header) before it spawns
+    the engine process; importing jax there would hold the spawn up for seconds."""
+    import subprocess
+    import sys
+    folder, _ = tiny_model("llama")
+    code = ("import sys\n"
+            "from jaxllm.entrypoints.cli import launch_config, parse_args\n"
+            "for model in sys.argv[1:]:\n"
+            "    launch_config(parse_args(['serve', *model.split()]), engine_process=True)\n"
+            "print(sorted(m for m in ('jax', 'flax', 'torch') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code, folder, "", f"{folder} --load-format dummy"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "[]"

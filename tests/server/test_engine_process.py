@@ -317,7 +317,15 @@ def test_serve_runs_engine_in_own_process_and_stops_it(tiny_model):
             break
     text = "".join(log)
     assert NO_BACKEND.search(text), text[-3000:]
+    # The model checks before the spawn import no jax either (it would delay the spawn).
+    assert "server process jax backends: jax not imported" in text, text[-3000:]
     assert "engine process" not in text, text[-3000:]   # no warning, no death report
+    # The start-up timeline: the engine process's phases, then the server's.
+    assert re.search(r"engine core ready [\d.]+ s after its spawn \(spawn_s [\d.]+, "
+                     r"imports_s [\d.]+, launch_s [\d.]+, engine_s [\d.]+", text), text[-3000:]
+    assert re.search(r"server ready in [\d.]+ s \(launch_s [\d.]+, imports_s [\d.]+, "
+                     r"engine_wait_s [\d.]+, ready_message_s [\d.]+, app_s [\d.]+, "
+                     r"uvicorn_s [\d.]+\)", text), text[-3000:]
 
 
 def _wait_for_url(proc, lines, log, deadline) -> str:

@@ -17,7 +17,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -31,7 +31,7 @@ from starlette.routing import Route
 import jaxllm
 from jaxllm.config import EngineConfig
 from jaxllm.engine.async_engine import AsyncLLMEngine
-from jaxllm.engine.core_client import MPAsyncLLMEngine
+from jaxllm.engine.core_client import MPAsyncLLMEngine, SpawnedEngine, spawn_engine
 from jaxllm.entrypoints.openai.errors import EXCEPTION_HANDLERS, APIError, bad_request, engine_dead
 from jaxllm.entrypoints.openai.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, parse_request)
@@ -39,6 +39,8 @@ from jaxllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from jaxllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from jaxllm.entrypoints.openai.serving_models import OpenAIServingModels
 from jaxllm.metrics import StatLogger
+
+logger = logging.getLogger(__name__)
 
 
 def build_app(engine: AsyncLLMEngine | MPAsyncLLMEngine, config: EngineConfig, *,
@@ -123,20 +125,75 @@ def build_app(engine: AsyncLLMEngine | MPAsyncLLMEngine, config: EngineConfig, *
                      exception_handlers=EXCEPTION_HANDLERS)
 
 
-def run_server(config: EngineConfig, *, log_stats_interval: float = 5.0) -> None:
-    """Build the engine, then serve on config.server.host:port until stopped."""
+def run_server(config: EngineConfig, *, log_stats_interval: float = 5.0,
+               spawned: SpawnedEngine | None = None, started: float | None = None) -> None:
+    """Build the engine, then serve on config.server.host:port until stopped.
+
+    spawned: the engine process, if the caller started it already (`jaxllm serve`
+    does, before importing this module); started: time.perf_counter() at the launch,
+    where the start-up timeline logged once the server listens begins."""
+    timeline = _Timeline(time.perf_counter() if started is None else started)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    in_thread = config.server.disable_frontend_multiprocessing
-    engine = (AsyncLLMEngine if in_thread else MPAsyncLLMEngine).from_config(config)
+    if config.server.disable_frontend_multiprocessing:
+        timeline.mark("launch_s")
+        engine = AsyncLLMEngine.from_config(config)
+        timeline.mark("engine_s")
+    else:
+        spawned = spawned or spawn_engine(config)
+        timeline.mark("launch_s", spawned.spawned_at)
+        # While the engine loads: what unpickling its tokenizer would import (seconds).
+        from transformers import PreTrainedTokenizerFast  # noqa: F401
+        timeline.mark("imports_s")
+        engine = MPAsyncLLMEngine(config, spawned=spawned)
+        timeline.mark("engine_wait_s", time.perf_counter() - engine.ready_message_s)
+        timeline.mark("ready_message_s")
     try:
         app = build_app(engine, config, log_stats_interval=log_stats_interval)
         # Open streams get a few seconds to finish on Ctrl-C, then are cut.
-        uvicorn.run(app, host=config.server.host, port=config.server.port, log_level="info",
-                    timeout_graceful_shutdown=5)
+        server = _Server(uvicorn.Config(app, host=config.server.host, port=config.server.port,
+                                        log_level="info", timeout_graceful_shutdown=5),
+                         on_started=lambda: timeline.log("uvicorn_s"))
+        timeline.mark("app_s")
+        try:
+            server.run()
+        except KeyboardInterrupt:   # uvicorn re-raises the Ctrl-C it handled; as uvicorn.run
+            pass
     finally:
         engine.shutdown()
+
+
+class _Timeline:
+    """The server process's start-up phases, logged as one line once it listens."""
+
+    def __init__(self, started: float):
+        self.started = self.last = started
+        self.phases: dict[str, float] = {}
+
+    def mark(self, phase: str, at: float | None = None) -> None:
+        """The phase since the last mark ends now (or ``at``, a time.perf_counter())."""
+        now = time.perf_counter() if at is None else at
+        self.phases[phase] = now - self.last
+        self.last = now
+
+    def log(self, phase: str) -> None:
+        self.mark(phase)
+        logger.info("server ready in %.1f s (%s)", self.last - self.started,
+                    ", ".join(f"{k} {v:.1f}" for k, v in self.phases.items()))
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, calling ``on_started()`` once it listens."""
+
+    def __init__(self, config: uvicorn.Config, on_started: Callable[[], None]):
+        super().__init__(config)
+        self.on_started = on_started
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            self.on_started()
 
 
 @contextlib.contextmanager
