@@ -322,12 +322,14 @@ def get_tokenizer(path: str | None, tokenizer: str | None = None,
     path = tokenizer or path or default_model_path()
     if path.endswith(".gguf"):
         return gguf_tokenizer(path)
-    from transformers import AutoTokenizer
     if os.path.isdir(path) and not any(
             os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer.model")):
         if vocab_size is not None:
             return placeholder_tokenizer(vocab_size)
         raise CheckpointError(f"{path}: no tokenizer.json or tokenizer.model")
+    # Imported only here: AutoTokenizer imports torch where it is installed (through
+    # transformers' configuration_utils), seconds that a placeholder does not need.
+    from transformers import AutoTokenizer
     try:
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:

@@ -33,8 +33,8 @@ from jaxllm.parallel import distributed, mesh as mesh_lib
 from jaxllm.runner import executable_store, kv_cache
 from jaxllm.runner.buckets import BucketPlan
 from jaxllm.runner.step_inputs import StepInputs
-from jaxllm.runner.sampler import (SamplerFlags, SamplerOutput, SamplingMetadata,
-                                   compute_logprobs, sample)
+from jaxllm.runner.sampler import (SamplerOutput, SamplingMetadata, compute_logprobs,
+                                   dummy_metadata, sample, warm_up_variants)
 from jaxllm.sampling_params import MAX_LOGPROBS
 
 logger = logging.getLogger(__name__)
@@ -420,10 +420,10 @@ class ModelRunner:
             # The sampler sees the step's logits: float32 [S, V], replicated.
             logits = jax.device_put(np.zeros((s, self.arch.vocab_size), np.float32),
                                     self._replicated)
-            md = _dummy_sampling_md(s)
+            md = dummy_metadata(s)
             programs += [executable_store.Program(
                 ("sample", s, flags), (logits, md, self._token_buf), self._sample,
-                (logits, md, flags, self._token_buf)) for flags in _sampler_variants()]
+                (logits, md, flags, self._token_buf)) for flags in warm_up_variants()]
         return programs
 
     def warm_up(self) -> float:
@@ -437,12 +437,35 @@ class ModelRunner:
         queue.submit(programs)
         loaded = queue.results()
         self._programs.update((name, x.compiled) for name, x in loaded.items())
+        t_ready = time.perf_counter()
+        gpu = self.mesh.local_devices[0].platform == "gpu"
+        if gpu and self.config.parallel.num_processes == 1:
+            self.run_programs_once()
         elapsed = time.perf_counter() - t0
         logger.info("warm-up: %d programs ready in %.1f s (%d lowered and compiled, %.1f s "
-                    "lowering on this thread)%s", len(loaded), elapsed, queue.num_lowered,
-                    queue.t_lower, f" ({self.store.loads} loaded from the executable store)"
+                    "lowering on this thread; %.1f s running each once)%s", len(loaded),
+                    elapsed, queue.num_lowered, queue.t_lower, elapsed - (t_ready - t0),
+                    f" ({self.store.loads} loaded from the executable store)"
                     if self.store else "")
         return elapsed
+
+    def run_programs_once(self) -> None:
+        """Run every warmed-up program once on padding inputs (no KV slot written, no
+        sequence read). A program's first run on a GPU loads its kernels and builds
+        its CUDA graphs: measured on the H200, the first request to a fresh server
+        waited 2.4 s for its first token (jaxllm bench serve, rate inf). Multi-host
+        runs skip it: every process would have to run the same programs in step."""
+        out = None
+        for key, program in sorted(self._programs.items(), key=lambda kv: str(kv[0])):
+            if key[0] == "step":
+                _, t, s, decode_only = key
+                args = self._step_args(self._dummy_arrays(t, s), decode_only)
+                out, self.kv_caches = program(*args)
+            elif key[0] == "sample":
+                logits = jax.device_put(np.zeros((key[1], self.arch.vocab_size), np.float32),
+                                        self._replicated)
+                out = program(logits, dummy_metadata(key[1]), self._token_buf)
+        jax.block_until_ready((out, self.kv_caches))
 
     # ------------------------------------------------------------ swap
     def swap_out(self, pairs, host_pool):
@@ -479,21 +502,3 @@ class ModelRunner:
 @jax.jit
 def _scatter_blocks(cache, ids, blocks):
     return cache.at[:, ids].set(blocks.astype(cache.dtype))
-
-
-def _sampler_variants():
-    """The variants warmed up: greedy or random, with or without top-k/p/min-p, with
-    or without logprobs. Penalty variants depend on token-list widths and compile on
-    first use."""
-    out = []
-    for lp in (0, MAX_LOGPROBS):
-        out.append(SamplerFlags(False, False, lp, True))
-        out.append(SamplerFlags(False, False, lp, False))
-        out.append(SamplerFlags(False, True, lp, False))
-    return out
-
-
-def _dummy_sampling_md(rows: int) -> SamplingMetadata:
-    md, _ = SamplingMetadata.from_params(
-        [], [], [], [], rows, 2, fallback_seeds=[])
-    return md

@@ -309,3 +309,21 @@ def _pad_token_lists(lists: Sequence[Sequence[int]], rows: int) -> np.ndarray:
             if toks:
                 out[i, : len(toks)] = toks
     return out
+
+
+def warm_up_variants() -> list[SamplerFlags]:
+    """The variants warmed up: greedy or random, with or without top-k/p/min-p, with
+    or without logprobs. Penalty variants depend on token-list widths and compile on
+    first use."""
+    out = []
+    for lp in (0, MAX_LOGPROBS):
+        out.append(SamplerFlags(False, False, lp, True))
+        out.append(SamplerFlags(False, False, lp, False))
+        out.append(SamplerFlags(False, True, lp, False))
+    return out
+
+
+def dummy_metadata(rows: int) -> SamplingMetadata:
+    """Metadata of `rows` padding rows (the warm-up's)."""
+    md, _ = SamplingMetadata.from_params([], [], [], [], rows, 2, fallback_seeds=[])
+    return md

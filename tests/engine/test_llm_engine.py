@@ -235,10 +235,24 @@ def test_no_compilation_after_warm_up(tiny_model):
         params = [SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
                   SamplingParams(temperature=0.7, top_k=5, seed=1, max_tokens=5),
                   SamplingParams(temperature=1.0, max_tokens=7, logprobs=3)] * 7
-        llm.generate([{"prompt_token_ids": p} for p in prompts], params[:20], use_tqdm=False)
+        inputs = [{"prompt_token_ids": p} for p in prompts]
+        first = llm.generate(inputs, params[:20], use_tqdm=False)
+        # The GPU warm-up's run of every program once (padding inputs): each program
+        # runs, and what the engine generates after it is unchanged.
+        runner, ran = llm.llm_engine.runner, []
+        programs = dict(runner._programs)
+        runner._programs = {k: (lambda *a, _k=k, _p=p: ran.append(_k) or _p(*a))
+                            for k, p in programs.items()}
+        runner.run_programs_once()
+        runner._programs = programs
+        again = llm.generate(inputs, params[:20], use_tqdm=False)
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
     assert compiles == []
+    assert sorted(map(str, ran)) == sorted(map(str, programs)) and len(programs) >= 10
+    greedy = range(0, 20, 3)
+    assert [again[i].outputs[0].token_ids for i in greedy] == \
+        [first[i].outputs[0].token_ids for i in greedy]
 
 
 def test_step_deltas_rebuild_the_outputs_of_step(llama):

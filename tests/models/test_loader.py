@@ -132,6 +132,22 @@ def test_load_tokenizer_placeholder_and_chat_template(tmp_path):
     assert tok.chat_template == template.read_text()
 
 
+def test_placeholder_tokenizer_imports_no_torch(tmp_path):
+    """A dummy folder's placeholder needs no AutoTokenizer, whose import brings torch
+    in where it is installed (seconds of every --load-format dummy start)."""
+    import subprocess
+    import sys
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 300}))
+    code = ("import sys\n"
+            "from jaxllm.models.loader import get_tokenizer\n"
+            "assert len(get_tokenizer(sys.argv[1], vocab_size=300)) == 300\n"
+            "print('torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "False"
+
+
 def test_model_checks_before_the_spawn_import_no_jax(tiny_model):
     """`jaxllm serve` checks the model (config.json or GGUF header) before it spawns
     the engine process; importing jax there would hold the spawn up for seconds."""
