@@ -39,6 +39,9 @@ from jaxllm.metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)
 
+# Commands to one message from the server process: tokenized as one batch.
+WRITE_CHUNK = 64
+
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
@@ -218,10 +221,11 @@ class MPAsyncLLMEngine:
 
     # ------------------------------------------------------------ writer and reader
     def _write(self) -> None:
-        """Send queued commands, all that piled up in one message: a full pipe (a
-        step's worth of long prompts) blocks this thread, not the event loop. Text
-        prompts are tokenized here, as vLLM's front end does: in the engine process
-        1000 prompts of 1024 tokens would hold the device up for a second."""
+        """Send queued commands, up to WRITE_CHUNK to a message: a full pipe (a step's
+        worth of long prompts) blocks this thread, not the event loop. Text prompts
+        are tokenized here, as vLLM's front end does: in the engine process 1000
+        prompts of 1024 tokens would hold the device up for a second; and a chunk at
+        a time, so that a burst of requests reaches the engine from its first ones on."""
         # A copy of its own: a fast tokenizer used from two threads at once can fail
         # ("Already borrowed"), and the event loop uses the engine's copy.
         try:
@@ -232,34 +236,45 @@ class MPAsyncLLMEngine:
             with self._cond:
                 while not (self._commands or self._stopped or self.dead_error):
                     self._cond.wait()
-                commands, self._commands = self._commands, []
-                stopping, dead = self._stopped, self.dead_error is not None
+                commands = self._commands[:WRITE_CHUNK]
+                del self._commands[:WRITE_CHUNK]
+                stopping = self._stopped and not self._commands
+                dead = self.dead_error is not None
             try:
                 if dead:
                     return
                 if commands:
-                    self._commands_conn.send([self._tokenized(c) for c in commands])
+                    self._commands_conn.send(self._tokenized(commands))
                 if stopping:
                     self._commands_conn.send([("shutdown",)])
                     return
             except OSError:    # the engine process is gone; the reader reports it
                 return
 
-    def _tokenized(self, command: tuple) -> tuple:
-        """An add command with its text prompt as {"prompt", "prompt_token_ids"}
-        (the engine's own tokenizer, shipped here at start-up, so the same ids)."""
-        if command[0] != "add":
-            return command
-        prompt = command[2]
-        if isinstance(prompt, dict) and "prompt_token_ids" not in prompt:
-            prompt = prompt.get("prompt")
-        if not isinstance(prompt, str):
-            return command
+    def _tokenized(self, commands: list[tuple]) -> list[tuple]:
+        """The commands, each add's text prompt as {"prompt", "prompt_token_ids"}
+        (the engine's own tokenizer, shipped here at start-up, so the same ids),
+        encoded as one batch: a fast tokenizer encodes a batch in parallel."""
+        texts = {}
+        for i, command in enumerate(commands):
+            prompt = command[2] if command[0] == "add" else None
+            if isinstance(prompt, dict) and "prompt_token_ids" not in prompt:
+                prompt = prompt.get("prompt")
+            if isinstance(prompt, str):
+                texts[i] = prompt
+        if not texts:
+            return commands
+        tokenizer = self._writer_tokenizer
         try:
-            ids = self._writer_tokenizer.encode(prompt)
-        except Exception:  # noqa: BLE001 - the engine process raises it for the request
-            return command
-        return command[:2] + ({"prompt": prompt, "prompt_token_ids": ids},) + command[3:]
+            ids = tokenizer(list(texts.values()))["input_ids"]
+        except Exception:  # noqa: BLE001 - one at a time, the engine raising for the bad
+            ids = [_encode_or_none(tokenizer, text) for text in texts.values()]
+        out = list(commands)
+        for (i, text), token_ids in zip(texts.items(), ids):
+            if token_ids is not None:
+                out[i] = out[i][:2] + ({"prompt": text, "prompt_token_ids": token_ids},) \
+                    + out[i][3:]
+        return out
 
     def _read(self) -> None:
         """Deliver the engine process's messages until its pipe closes."""
@@ -469,6 +484,13 @@ class EngineCore:
                 error = _picklable(e)
             added.append((request_id, error, arrival_time, getattr(params, "n", 1)))
         return added, aborted
+
+
+def _encode_or_none(tokenizer, text: str) -> list[int] | None:
+    try:
+        return tokenizer.encode(text)
+    except Exception:  # noqa: BLE001 - the engine process raises it for the request
+        return None
 
 
 def _describe(e: BaseException) -> tuple[BaseException | None, str]:

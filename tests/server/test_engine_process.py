@@ -80,15 +80,21 @@ def test_decoder_forgets_and_remote_errors_carry_the_traceback():
 
 
 def test_text_prompts_are_tokenized_in_the_server_process(mp_engine):
+    """The writer thread encodes a chunk's text prompts as one batch: the same ids as
+    the engine's tokenizer.encode, one by one; other commands pass unchanged."""
     params = SamplingParams(max_tokens=3)
-    add = mp_engine._tokenized(("add", "r", "hello world", params, 1.0))
-    ids = mp_engine.engine.tokenizer.encode("hello world")
-    assert add == ("add", "r", {"prompt": "hello world", "prompt_token_ids": ids}, params, 1.0)
-    assert mp_engine._tokenized(("add", "r", {"prompt": "hi"}, params, 1.0))[2] == \
-        {"prompt": "hi", "prompt_token_ids": mp_engine.engine.tokenizer.encode("hi")}
-    for kept in (("add", "r", [5, 6], params, 1.0), ("abort", "r"),
-                 ("add", "r", {"prompt_token_ids": [5]}, params, 1.0)):
-        assert mp_engine._tokenized(kept) is kept
+    texts = ["hello world", "  déjà vu — 東京\n", "x" * 3000]
+    kept = [("add", "k1", [5, 6], params, 1.0), ("abort", "k2"),
+            ("add", "k3", {"prompt_token_ids": [5]}, params, 1.0)]
+    commands = [("add", f"r{i}", t if i != 1 else {"prompt": t}, params, 1.0)
+                for i, t in enumerate(texts)] + kept
+    out = mp_engine._tokenized(commands)
+    encode = mp_engine.engine.tokenizer.encode
+    assert [c[2] for c in out[:3]] == [{"prompt": t, "prompt_token_ids": encode(t)}
+                                       for t in texts]
+    assert all(a is b for a, b in zip(out[3:], kept))
+    assert out[0][:2] == ("add", "r0") and out[0][3:] == (params, 1.0)
+    assert mp_engine._tokenized(kept) is kept
 
 
 def test_engine_outputs_equal_in_thread_engine(mp_engine, async_engine):
