@@ -1,6 +1,7 @@
 """`jaxllm serve` launched from a config file as its own process, on the tiny random
 Llama of tests/conftest.py (127.0.0.1, a free port), and `jaxllm bench serve`
 driving it."""
+import functools
 import json
 import os
 import queue
@@ -119,3 +120,35 @@ def test_bench_serve_without_a_server_is_a_clear_error(capsys):
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and len(err.splitlines()) == 1
     assert "cannot list the server's models" in err and "jaxllm serve" in err
+
+
+def test_bench_client_reads_errors_and_streams_like_httpx(live_server):
+    """The benchmark's asyncio HTTP client against httpx on the same requests: an
+    error status with a sized JSON body, and a chunked SSE stream, line for line."""
+    import asyncio
+    from jaxllm.benchmarks import serve
+    url, _ = live_server
+    bad = json.dumps({"model": "nope", "prompt": "hi", "max_tokens": 2}).encode()
+    good = json.dumps({"model": json.loads(httpx.get(url + "/v1/models").text)["data"][0]["id"],
+                       "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0,
+                       "ignore_eos": True, "stream": True}).encode()
+
+    async def fetch(stream, body):
+        async with stream(url + "/v1/completions", body, {}) as (status, lines):
+            return status, [line async for line in lines]
+
+    async def both():
+        async with httpx.AsyncClient() as client:
+            via_httpx = functools.partial(serve._httpx_stream, client)
+            return [(await fetch(serve._raw_stream, b), await fetch(via_httpx, b))
+                    for b in (bad, good)]
+    (raw_bad, httpx_bad), (raw_good, httpx_good) = asyncio.run(both())
+    assert raw_bad[0] == httpx_bad[0] == 404 and "nope" in "".join(raw_bad[1])
+    assert raw_good[0] == 200
+
+    def events(lines):   # the chunks' text, ids and timestamps aside
+        out = [json.loads(x[5:]) for x in lines if x.startswith("data: {")]
+        return [c["choices"][0]["text"] for c in out]
+    # Chunks may coalesce differently (a slow reader gets them merged): the text agrees.
+    assert events(raw_good[1]) and "".join(events(raw_good[1])) == "".join(events(httpx_good[1]))
+    assert raw_good[1][-2:] == ["data: [DONE]", ""]
