@@ -4,15 +4,15 @@ driving it."""
 import functools
 import json
 import os
-import queue
 import re
 import subprocess
 import sys
-import threading
 import time
 
 import httpx
 import pytest
+
+from serve_process import follow_stderr, wait_for_url
 
 from jaxllm.entrypoints.cli import main
 
@@ -37,10 +37,8 @@ def live_server(tiny_model, tmp_path_factory):
            "--config", str(config), "--port", "0"]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(x) for x in proc.stderr], daemon=True).start()
     try:
-        url = _wait_for_url(proc, lines, deadline=time.monotonic() + 300)
+        url = wait_for_url(proc, follow_stderr(proc), [], deadline=time.monotonic() + 300)
         yield url, folder
     finally:
         proc.terminate()
@@ -48,19 +46,6 @@ def live_server(tiny_model, tmp_path_factory):
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
-
-
-def _wait_for_url(proc, lines, deadline) -> str:
-    log = []
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            log.append(lines.get(timeout=1))
-        except queue.Empty:
-            continue
-        found = re.search(r"Uvicorn running on (http://127\.0\.0\.1:\d+)", log[-1])
-        if found:
-            return found.group(1)
-    raise AssertionError("jaxllm serve did not come up:\n" + "".join(log[-30:]))
 
 
 def test_serve_answers_with_the_config_files_settings(live_server):

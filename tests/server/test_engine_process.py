@@ -18,11 +18,11 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import httpx
 import pytest
+from serve_process import follow_stderr, wait_for_url
 from server_helpers import MODEL, metric, sse_events, wait_until_idle
 
 from jaxllm.engine.async_engine import EngineDeadError
@@ -295,10 +295,9 @@ def test_serve_runs_engine_in_own_process_and_stops_it(tiny_model):
                             stderr=subprocess.PIPE, text=True, env=serve_env(),
                             start_new_session=True)
     log: list[str] = []
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(x) for x in proc.stderr], daemon=True).start()
+    lines = follow_stderr(proc)
     try:
-        url = _wait_for_url(proc, lines, log, deadline=time.monotonic() + 300)
+        url = wait_for_url(proc, lines, log, deadline=time.monotonic() + 300)
         assert httpx.get(f"{url}/health").status_code == 200
         assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == MODEL
         children = _children(proc.pid)
@@ -332,18 +331,6 @@ def test_serve_runs_engine_in_own_process_and_stops_it(tiny_model):
     assert re.search(r"server ready in [\d.]+ s \(launch_s [\d.]+, imports_s [\d.]+, "
                      r"engine_wait_s [\d.]+, ready_message_s [\d.]+, app_s [\d.]+, "
                      r"uvicorn_s [\d.]+\)", text), text[-3000:]
-
-
-def _wait_for_url(proc, lines, log, deadline) -> str:
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            log.append(lines.get(timeout=1))
-        except queue.Empty:
-            continue
-        found = re.search(r"Uvicorn running on (http://127\.0\.0\.1:\d+)", log[-1])
-        if found:
-            return found.group(1)
-    raise AssertionError("jaxllm serve did not come up:\n" + "".join(log[-30:]))
 
 
 def _children(pid: int) -> list[int]:
