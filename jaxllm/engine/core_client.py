@@ -223,9 +223,9 @@ class MPAsyncLLMEngine:
     def _write(self) -> None:
         """Send queued commands, up to WRITE_CHUNK to a message: a full pipe (a step's
         worth of long prompts) blocks this thread, not the event loop. Text prompts
-        are tokenized here, as vLLM's front end does: in the engine process 1000
-        prompts of 1024 tokens would hold the device up for a second; and a chunk at
-        a time, so that a burst of requests reaches the engine from its first ones on."""
+        are tokenized here, as vLLM's front end does, not between the engine's steps;
+        a chunk at a time, so the first requests of a burst do not wait for the whole
+        burst's tokenization (the rate-inf benchmark sends token ids: not measured)."""
         # A copy of its own: a fast tokenizer used from two threads at once can fail
         # ("Already borrowed"), and the event loop uses the engine's copy.
         try:

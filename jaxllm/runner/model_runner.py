@@ -452,9 +452,11 @@ class ModelRunner:
     def run_programs_once(self) -> None:
         """Run every warmed-up program once on padding inputs (no KV slot written, no
         sequence read). A program's first run on a GPU loads its kernels and builds
-        its CUDA graphs: measured on the H200, the first request to a fresh server
-        waited 2.4 s for its first token (jaxllm bench serve, rate inf). Multi-host
-        runs skip it: every process would have to run the same programs in step."""
+        its CUDA graphs, here rather than in the first requests' steps, as vLLM's
+        dummy runs do. It costs 1.0-1.5 s of an 8B start on the H200; its gain on the
+        first requests was not separated (the 2.4 s first token of a fresh server at
+        rate inf was the benchmark client's). Multi-host runs skip it: every process
+        would have to run the same programs in step."""
         out = None
         for key, program in sorted(self._programs.items(), key=lambda kv: str(kv[0])):
             if key[0] == "step":
