@@ -1,5 +1,7 @@
-"""The pallas attention backend: KV write, then the decode kernel for pure-decode steps
-or the ragged kernel otherwise. Called by ``jaxllm.layers.attention._pallas``.
+"""The pallas attention backend: KV write, then the decode kernel for pure-decode steps;
+in other steps the ragged kernel for the sequences with several query tokens and the
+decode kernel for those with one (as vLLM's FlashInfer backend splits decodes from
+prefills). Called by ``jaxllm.layers.attention._pallas``.
 
 Letter legend: T flat tokens, S sequences, Hq/Hkv query/KV heads, D head dim.
 """
@@ -22,9 +24,36 @@ def paged_attention(q, k, v, k_cache, v_cache, md, spec):
     if md.decode_only:
         out = _decode(q, k_cache, v_cache, md, kw)
     else:
-        out = ragged_paged_attention(q, k_cache, v_cache, md.block_tables, md.seq_lens,
-                                     md.query_start_loc, **kw)
+        out = mixed_step_attention(q, k_cache, v_cache, md.block_tables, md.seq_lens,
+                                   md.query_start_loc, **kw)
     return out, k_cache, v_cache
+
+
+def mixed_step_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                         **kw):
+    """The ragged kernel's contract, its one-query sequences through the decode kernel.
+
+    The ragged kernel's programs hold 256 (token, head) rows, so a decode token there
+    fills G of them and still pays the whole dot; the decode kernel packs a sequence's
+    G heads alone and splits long contexts. Each kernel sees the other's sequences with
+    ``seq_len`` 0, which it skips (the ragged kernel writes zeros there, which the
+    decode rows then overwrite)."""
+    one = query_start_loc[1:] - query_start_loc[:-1] == 1
+    out = ragged_paged_attention(q, k_cache, v_cache, block_tables,
+                                 jnp.where(one, 0, seq_lens), query_start_loc, **kw)
+    return _with_decode_rows(out, q, k_cache, v_cache, block_tables, seq_lens,
+                             query_start_loc, one, kw)
+
+
+def _with_decode_rows(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                      one, kw):
+    """``out`` with the query row of each sequence where ``one`` replaced by the decode
+    kernel's output: gather those rows, attend, scatter back."""
+    num_tokens = q.shape[0]
+    first = query_start_loc[:-1]
+    dec = paged_attention_decode(q[jnp.clip(first, 0, num_tokens - 1)], k_cache, v_cache,
+                                 block_tables, jnp.where(one, seq_lens, 0), **kw)
+    return out.at[jnp.where(one, first, num_tokens)].set(dec, mode="drop")
 
 
 def decode_qkv(qkv, k_cache, v_cache, md, spec, num_q_heads):
@@ -55,9 +84,6 @@ def _decode(q, k_cache, v_cache, md, kw):
         return paged_attention_decode(q, k_cache, v_cache, md.block_tables, md.seq_lens,
                                       **kw)
     # Any other layout: gather each sequence's query token, attend, scatter back.
-    first = md.query_start_loc[:-1]
-    has_q = md.query_start_loc[1:] > first
-    out = paged_attention_decode(q[jnp.clip(first, 0, num_tokens - 1)], k_cache, v_cache,
-                                 md.block_tables, jnp.where(has_q, md.seq_lens, 0), **kw)
-    dst = jnp.where(has_q, first, num_tokens)
-    return jnp.zeros_like(q).at[dst].set(out, mode="drop")
+    qsl = md.query_start_loc
+    return _with_decode_rows(jnp.zeros_like(q), q, k_cache, v_cache, md.block_tables,
+                             md.seq_lens, qsl, qsl[1:] > qsl[:-1], kw)

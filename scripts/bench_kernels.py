@@ -9,7 +9,9 @@ Prints (and writes to $OUT/bench_kernels.json when OUT is set):
      ms and TB/s of KV bytes read;
   3. ragged prefill of 8 x 2048-token prompts vs cuDNN attention on the same
      (non-paged) shapes;
-  4. the KV write of those prompts;
+  4. the KV write of those prompts; a mixed step (2 x 2048-token prompts + 256 decodes
+     at context 1024) through the ragged kernel alone and through the backend's split
+     (decode kernel for the one-query sequences);
   5. a sweep of kernel settings at the main shapes, with the best printed.
 Every row is timed as the median over repeats of back-to-back calls after a warm-up.
 Each row runs under try/except, so one failure costs one row, not the table.
@@ -32,6 +34,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from pallas_kernels.dispatch import mixed_step_attention  # noqa: E402
 from pallas_kernels.paged_attention_decode import (  # noqa: E402
     paged_attention_decode, ref_paged_attention_decode)
 from pallas_kernels.ragged_paged_attention import (  # noqa: E402
@@ -225,6 +228,31 @@ def prefill_section(num_seqs=8, prompt=2048):
         lambda: bench(lambda: write_step()), kv_bytes=2 * 2 * k.size * k.dtype.itemsize)
 
 
+def mixed_section(prefills=2, prompt=2048, decodes=256, ctx=1024):
+    """One step of whole prompts and decodes: ragged kernel alone vs the split."""
+    kq, kk, kv, kp = jax.random.split(jax.random.PRNGKey(3), 4)
+    q_lens = [prompt] * prefills + [1] * decodes
+    kv_lens = [prompt] * prefills + [ctx] * decodes
+    width = max(kv_lens) // BS
+    nb = sum(-(-n // BS) for n in kv_lens) + 1
+    perm = np.asarray(jax.random.permutation(kp, nb - 1)) + 1
+    tables, used = np.zeros((len(q_lens), width), np.int32), 0
+    for i, n in enumerate(kv_lens):
+        tables[i, :-(-n // BS)] = perm[used:used - (-n // BS)]
+        used += -(-n // BS)
+    q = jax.random.normal(kq, (sum(q_lens), HQ, D), jnp.bfloat16)
+    kc = jax.random.normal(kk, (HKV, nb, BS, D), jnp.bfloat16)
+    vc = jax.random.normal(kv, (HKV, nb, BS, D), jnp.bfloat16)
+    args = (q, kc, vc, jnp.asarray(tables), jnp.asarray(kv_lens, jnp.int32),
+            jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32))
+    name = f"{prefills}x{prompt} + {decodes} decodes ctx={ctx}"
+    ragged = jax.jit(functools.partial(ragged_paged_attention, sm_scale=SM_SCALE))
+    split = jax.jit(functools.partial(mixed_step_attention, sm_scale=SM_SCALE))
+    _check(f"mixed split vs ragged alone", split(*args), ragged(*args))
+    row("mixed", f"ragged kernel alone {name}", lambda: bench(ragged, *args))
+    row("mixed", f"split (decode kernel) {name}", lambda: bench(split, *args))
+
+
 def sweep(quick):
     """Kernel settings at the main decode shape and the prefill shape; prints the best.
     Phase 1 varies the tiling at a fixed warp count, phase 2 the warps of the winner."""
@@ -242,14 +270,15 @@ def sweep(quick):
                           kv_bytes=kv_bytes, best=best)
     del q, k, v
     q, _, _, kc, vc, tables, lens, qsl, _ = ragged_inputs(8, 2048)
-    product = itertools.product((16, 32), (2, 4, 8), (2, 3, 4))
+    product = itertools.product((32, 64), (2, 4, 8), (4, 8), (2, 3, 4))
     if quick:
-        product = itertools.product((32,), (4,), (2, 3))
+        product = itertools.product((64,), (4,), (8,), (2, 3))
     # Larger tiles spill registers (M = block_q * 4 rows x keys), or overflow shared
-    # memory; 4 warps spill at M = 128 (both checked by compiling offline for sm_90a).
-    configs = [dict(block_q=b, blocks_per_step=p, num_warps=8, num_stages=n)
-               for b, p, n in product
-               if b * p <= 128 and (n - 1) * 4 * p * BS * D + 8 * b * D <= 160 << 10]
+    # memory (checked by compiling for sm_90a); 4 warps are too few for 256 rows.
+    configs = [dict(block_q=b, blocks_per_step=p, num_warps=w, num_stages=n)
+               for b, p, w, n in product
+               if b * p <= 256 and (b < 64 or w == 8)
+               and n * 4 * p * BS * D + 8 * b * D <= 200 << 10]
     args = (q, kc, vc, tables, lens, qsl)
     flops = 4 * lens.shape[0] * HQ * (q.shape[0] // lens.shape[0]) ** 2 // 2 * D
     best_p = _sweep_one("prefill", configs, ragged_paged_attention, args, flops=flops)
@@ -292,7 +321,7 @@ def main():
     DEADLINE[0] = t0 + args.time_limit
     for section in (check_numerics,
                     lambda: decode_table([MAIN] + ([] if args.quick else GRID)),
-                    decode_extras, prefill_section):
+                    decode_extras, prefill_section, mixed_section):
         _guarded(section)
     if not args.no_sweep:
         _guarded(lambda: sweep(args.quick))
