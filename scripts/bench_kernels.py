@@ -248,7 +248,7 @@ def mixed_section(prefills=2, prompt=2048, decodes=256, ctx=1024):
     name = f"{prefills}x{prompt} + {decodes} decodes ctx={ctx}"
     ragged = jax.jit(functools.partial(ragged_paged_attention, sm_scale=SM_SCALE))
     split = jax.jit(functools.partial(mixed_step_attention, sm_scale=SM_SCALE))
-    _check(f"mixed split vs ragged alone", split(*args), ragged(*args))
+    _check("mixed split vs ragged alone", split(*args), ragged(*args))
     row("mixed", f"ragged kernel alone {name}", lambda: bench(ragged, *args))
     row("mixed", f"split (decode kernel) {name}", lambda: bench(split, *args))
 
