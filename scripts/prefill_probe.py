@@ -14,11 +14,12 @@ cuDNN's `jax.nn.dot_product_attention` on the same (non-paged) shapes:
   flat     one query head per program (FlashAttention-2's layout, M = block_q
            tokens) instead of the G heads of a KV head packed into the rows
 
-    python scripts/prefill_probe.py [--ptx DIR]
+    python scripts/prefill_probe.py [--ptx DIR] [--decode]
 
 GPU only. --ptx: compile the shipped kernel once with XLA's dump on and count the
 PTX instructions that say how the dots and loads were compiled (wgmma, mma.sync,
-cp.async, ld.global).
+cp.async, ld.global). --decode: the decode kernel instead, per-block against per-key
+block-table reads, bf16 and fp8 KV, at its default split count and at one split.
 """
 from __future__ import annotations
 
@@ -142,10 +143,13 @@ FLAT = [dict(block_q=b, blocks_per_step=p, num_warps=w, num_stages=s) for b, p, 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ptx", help="dump dir: count PTX instructions of the shipped kernel")
+    ap.add_argument("--decode", action="store_true")
     ap.add_argument("--only", default="base,contig,perkey,fma,flat")
     args = ap.parse_args()
     if args.ptx:
         return count_ptx(args.ptx)
+    if args.decode:
+        return decode_ab()
     q, k, v, kc, vc, tables, lens, qsl, _ = bk.ragged_inputs(8, 2048)
     n, prompt = lens.shape[0], q.shape[0] // lens.shape[0]
     flops = 4 * n * bk.HQ * prompt * prompt // 2 * bk.D
@@ -200,6 +204,32 @@ def main():
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "prefill_probe.json"), "w") as f:
             json.dump(rows, f, indent=1)
+
+
+def decode_ab():
+    from pallas_kernels.paged_attention_decode import paged_attention_decode
+    shapes = [(64, 2048, jnp.bfloat16), (64, 2048, jnp.float8_e4m3fn), (8, 512, jnp.bfloat16),
+              (8, 8192, jnp.bfloat16), (1, 8192, jnp.bfloat16), (256, 8192, jnp.bfloat16)]
+    rows = []
+    for batch, ctx, dtype in shapes:
+        q, k, v, tables, lens, kv_bytes = bk.decode_inputs(batch, ctx, dtype)
+        for splits in (None, 1):
+            for name, slots in (("perblock", ORIG_TILE_SLOTS), ("perkey", perkey_slots)):
+                common.tile_slots = slots
+                jax.clear_caches()
+                kw = {} if splits is None else dict(k_splits=splits)
+                fn = jax.jit(functools.partial(paged_attention_decode, sm_scale=bk.SM_SCALE,
+                                               **kw))
+                sec = bk.bench(fn, q, k, v, tables, lens)
+                rows.append(dict(batch=batch, ctx=ctx, kv=jnp.dtype(dtype).name,
+                                 splits=splits or "default", slots=name, ms=sec * 1e3,
+                                 tbs=kv_bytes / sec / 1e12))
+                print(json.dumps(rows[-1]), flush=True)
+    common.tile_slots = ORIG_TILE_SLOTS
+    print(f"\n{'batch':>5} {'ctx':>5} {'kv':>14} {'splits':>8} {'slots':>9} {'ms':>7} {'TB/s':>6}")
+    for r in rows:
+        print(f"{r['batch']:>5} {r['ctx']:>5} {r['kv']:>14} {r['splits']:>8} {r['slots']:>9} "
+              f"{r['ms']:7.3f} {r['tbs']:6.2f}")
 
 
 def count_ptx(dump):
