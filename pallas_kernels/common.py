@@ -85,15 +85,21 @@ def _row_col_mask(mask, cols, d):
     return col_ok if mask is None else mask[:, None] & col_ok
 
 
-def tile_slots(bt_ref, seq, first, *, tile, block_size):
-    """Pool slots i32[K] of tokens ``first .. first + K`` of block-table row ``seq``;
-    ``first`` and K are multiples of ``block_size`` (the column is clamped, so a tile
-    past the row's end still reads in bounds).
+def tile_slots(bt_ref, seq, first, *, tile, block_size, per_block=False):
+    """Pool slots i32[K] of tokens ``first .. first + K`` of block-table row ``seq`` (the
+    column is clamped, so a tile past the row's end still reads in bounds).
 
-    One block-table read per pool block, broadcast over its slots: reading the table
-    once per key cost the prefill kernel a third of its time on the H200 at 256 rows
-    per program (``scripts/prefill_probe.py``, 2026-12-01: 1.156 -> 0.754 ms).
+    ``per_block``: read the table once per pool block and broadcast over its slots
+    (``first`` and K multiples of ``block_size``) instead of once per key. Measured on
+    the H200 (``scripts/prefill_probe.py``, 2026-12-01): the ragged kernel at 256 rows
+    per program takes 0.754 ms per block against 1.137-1.156 ms per key at 8 x 2048;
+    the decode kernel is slower per block with fp8 KV (0.152 against 0.134 ms at B=64
+    ctx 2048) and at B=8 ctx 512 (0.066 against 0.051 ms), so it reads per key.
     """
+    if not per_block:
+        kpos = first + jnp.arange(tile)
+        col = jnp.minimum(lax.div(kpos, block_size), bt_ref.shape[1] - 1)
+        return bt_ref[seq, col] * block_size + lax.rem(kpos, block_size)
     nblk = tile // block_size
     col = jnp.minimum(lax.div(first, block_size) + jnp.arange(nblk), bt_ref.shape[1] - 1)
     base = bt_ref[seq, col] * block_size                               # [K / BS]
@@ -110,7 +116,8 @@ def load_kv(k_ref, v_ref, slots, kvalid, *, d, dp, dtype):
     return k, v
 
 
-def kv_tile(bt_ref, k_ref, v_ref, seq, first, *, tile, block_size, d, dp, kv_mask_fn, dtype):
+def kv_tile(bt_ref, k_ref, v_ref, seq, first, *, tile, block_size, d, dp, kv_mask_fn, dtype,
+            per_block=False):
     """Keys/values of tokens ``first .. first + tile`` of block-table row ``seq``.
 
     Returns (kpos i32[K], kvalid bool[K] or None, k [K, Dp], v [K, Dp]).
@@ -119,17 +126,19 @@ def kv_tile(bt_ref, k_ref, v_ref, seq, first, *, tile, block_size, d, dp, kv_mas
     """
     kpos = first + jnp.arange(tile)
     kvalid = kv_mask_fn(kpos)
-    slots = tile_slots(bt_ref, seq, first, tile=tile, block_size=block_size)
+    slots = tile_slots(bt_ref, seq, first, tile=tile, block_size=block_size,
+                       per_block=per_block)
     k, v = load_kv(k_ref, v_ref, slots, kvalid, d=d, dp=dp, dtype=dtype)
     return kpos, kvalid, k, v
 
 
 def unmasked_loop(bt_ref, k_ref, v_ref, seq, start, end, q, carry, *, tile, block_size, d,
-                  dp, scale2):
+                  dp, scale2, per_block=False):
     """Online softmax over the unmasked steps ``start .. end``. The block-table lookup of
     step i + 1 is issued in step i and carried, so the KV loads of a step depend on no
     load of the same iteration and Triton's pipeliner can multi-buffer them."""
-    slots_of = functools.partial(tile_slots, bt_ref, seq, tile=tile, block_size=block_size)
+    slots_of = functools.partial(tile_slots, bt_ref, seq, tile=tile, block_size=block_size,
+                                 per_block=per_block)
 
     def body(i, c):
         slots, carry = c

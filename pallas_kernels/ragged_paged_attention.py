@@ -180,7 +180,8 @@ def _ragged_kernel(tiles_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, *, hq, g, gp, 
         def masked_step(i, carry):
             kpos, kvalid, k, v = common.kv_tile(
                 bt_ref, k_ref, v_ref, seq, i * tile, tile=tile, block_size=bs, d=d, dp=dp,
-                kv_mask_fn=lambda kpos: (kpos < hi) & (kpos >= lo), dtype=q.dtype)
+                kv_mask_fn=lambda kpos: (kpos < hi) & (kpos >= lo), dtype=q.dtype,
+                per_block=True)
             mask = kvalid[None, :] & (kpos[None, :] <= qpos[:, None])
             if window is not None:
                 mask &= kpos[None, :] > qpos[:, None] - window
@@ -188,7 +189,8 @@ def _ragged_kernel(tiles_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, *, hq, g, gp, 
 
         carry = common.unmasked_loop(bt_ref, k_ref, v_ref, seq, start, full_end, q,
                                      common.init_carry(block_q * gp, dp), tile=tile,
-                                     block_size=bs, d=d, dp=dp, scale2=scale2)
+                                     block_size=bs, d=d, dp=dp, scale2=scale2,
+                                     per_block=True)
         _, l, acc = lax.fori_loop(full_end, end, masked_step, carry)
         out = acc * (v_scale / jnp.where(l == 0.0, 1.0, l))[:, None]
         common.store_rows(o_ref, rows, out, d, row_ok)

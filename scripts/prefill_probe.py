@@ -19,7 +19,8 @@ cuDNN's `jax.nn.dot_product_attention` on the same (non-paged) shapes:
 GPU only. --ptx: compile the shipped kernel once with XLA's dump on and count the
 PTX instructions that say how the dots and loads were compiled (wgmma, mma.sync,
 cp.async, ld.global). --decode: the decode kernel instead, per-block against per-key
-block-table reads, bf16 and fp8 KV, at its default split count and at one split.
+block-table reads, bf16 and fp8 KV, at its default split count and at one split (the
+decode kernel ships per key: 2026-12-01, per block was slower with fp8 and at B=8).
 """
 from __future__ import annotations
 
@@ -48,11 +49,15 @@ import pallas_kernels.ragged_paged_attention as rpa  # noqa: E402
 ORIG_TILE_SLOTS = common.tile_slots
 
 
-def contig_slots(bt_ref, seq, first, *, tile, block_size):
+def perblock_slots(*args, **kw):
+    return ORIG_TILE_SLOTS(*args, **dict(kw, per_block=True))
+
+
+def contig_slots(bt_ref, seq, first, *, tile, block_size, per_block=False):
     return bt_ref[seq, 0] * block_size + first + jnp.arange(tile)
 
 
-def perkey_slots(bt_ref, seq, first, *, tile, block_size):
+def perkey_slots(bt_ref, seq, first, *, tile, block_size, per_block=False):
     kpos = first + jnp.arange(tile)
     col = jnp.minimum(lax.div(kpos, block_size), bt_ref.shape[1] - 1)
     return bt_ref[seq, col] * block_size + lax.rem(kpos, block_size)
@@ -214,7 +219,7 @@ def decode_ab():
     for batch, ctx, dtype in shapes:
         q, k, v, tables, lens, kv_bytes = bk.decode_inputs(batch, ctx, dtype)
         for splits in (None, 1):
-            for name, slots in (("perblock", ORIG_TILE_SLOTS), ("perkey", perkey_slots)):
+            for name, slots in (("perblock", perblock_slots), ("perkey", perkey_slots)):
                 common.tile_slots = slots
                 jax.clear_caches()
                 kw = {} if splits is None else dict(k_splits=splits)
