@@ -14,13 +14,15 @@ cuDNN's `jax.nn.dot_product_attention` on the same (non-paged) shapes:
   flat     one query head per program (FlashAttention-2's layout, M = block_q
            tokens) instead of the G heads of a KV head packed into the rows
 
-    python scripts/prefill_probe.py [--ptx DIR] [--decode]
+    python scripts/prefill_probe.py [--ptx DIR] [--decode] [--small]
 
 GPU only. --ptx: compile the shipped kernel once with XLA's dump on and count the
 PTX instructions that say how the dots and loads were compiled (wgmma, mma.sync,
 cp.async, ld.global). --decode: the decode kernel instead, per-block against per-key
 block-table reads, bf16 and fp8 KV, at its default split count and at one split (the
 decode kernel ships per key: 2026-12-01, per block was slower with fp8 and at B=8).
+--small: short prompts (a latency benchmark's prefill), the ragged kernel at its old
+and new settings, alone and behind the backend's decode split.
 """
 from __future__ import annotations
 
@@ -149,12 +151,15 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ptx", help="dump dir: count PTX instructions of the shipped kernel")
     ap.add_argument("--decode", action="store_true")
+    ap.add_argument("--small", action="store_true")
     ap.add_argument("--only", default="base,contig,perkey,fma,flat")
     args = ap.parse_args()
     if args.ptx:
         return count_ptx(args.ptx)
     if args.decode:
         return decode_ab()
+    if args.small:
+        return small_prompts()
     q, k, v, kc, vc, tables, lens, qsl, _ = bk.ragged_inputs(8, 2048)
     n, prompt = lens.shape[0], q.shape[0] // lens.shape[0]
     flops = 4 * n * bk.HQ * prompt * prompt // 2 * bk.D
@@ -209,6 +214,25 @@ def main():
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "prefill_probe.json"), "w") as f:
             json.dump(rows, f, indent=1)
+
+
+def small_prompts():
+    from pallas_kernels.dispatch import mixed_step_attention
+    old = dict(block_q=32, blocks_per_step=4, num_warps=4, num_stages=2)
+    rows = []
+    for n, prompt in ((8, 32), (1, 128), (8, 128), (4, 512), (16, 512), (2, 2048)):
+        q, _, _, kc, vc, tables, lens, qsl, _ = bk.ragged_inputs(n, prompt)
+        for name, fn, cfg in (("ragged old", rpa.ragged_paged_attention, old),
+                              ("ragged new", rpa.ragged_paged_attention, {}),
+                              ("split old", mixed_step_attention, old),
+                              ("split new", mixed_step_attention, {})):
+            f = jax.jit(functools.partial(fn, sm_scale=bk.SM_SCALE, **cfg))
+            sec = bk.bench(f, q, kc, vc, tables, lens, qsl, budget_s=0.1, repeats=5)
+            rows.append(dict(seqs=n, prompt=prompt, variant=name, us=sec * 1e6))
+            print(json.dumps(rows[-1]), flush=True)
+    print(f"\n{'seqs':>5} {'prompt':>6} {'variant':>12} {'us':>9}")
+    for r in rows:
+        print(f"{r['seqs']:>5} {r['prompt']:>6} {r['variant']:>12} {r['us']:9.1f}")
 
 
 def decode_ab():
