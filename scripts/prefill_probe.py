@@ -216,23 +216,53 @@ def main():
             json.dump(rows, f, indent=1)
 
 
+def compare_all_schedule(query_start_loc, seq_lens, num_tokens, block_q):
+    """tile_schedule with searchsorted as one broadcast compare (no while loop)."""
+    orig = jnp.searchsorted
+    jnp.searchsorted = functools.partial(orig, method="compare_all")
+    try:
+        return ORIG_SCHEDULE(query_start_loc, seq_lens, num_tokens, block_q)
+    finally:
+        jnp.searchsorted = orig
+
+
+ORIG_SCHEDULE = rpa.tile_schedule
+
+
 def small_prompts():
-    from pallas_kernels.dispatch import mixed_step_attention
+    import pallas_kernels.dispatch as dispatch
     old = dict(block_q=32, blocks_per_step=4, num_warps=4, num_stages=2)
     rows = []
     for n, prompt in ((8, 32), (1, 128), (8, 128), (4, 512), (16, 512), (2, 2048)):
         q, _, _, kc, vc, tables, lens, qsl, _ = bk.ragged_inputs(n, prompt)
-        for name, fn, cfg in (("ragged old", rpa.ragged_paged_attention, old),
-                              ("ragged new", rpa.ragged_paged_attention, {}),
-                              ("split old", mixed_step_attention, old),
-                              ("split new", mixed_step_attention, {})):
-            f = jax.jit(functools.partial(fn, sm_scale=bk.SM_SCALE, **cfg))
+        for name, split, cfg, sched in (
+                ("schedule only", None, None, ORIG_SCHEDULE),
+                ("schedule cmp", None, None, compare_all_schedule),
+                ("ragged old", False, old, ORIG_SCHEDULE),
+                ("ragged new", False, {}, ORIG_SCHEDULE),
+                ("ragged new cmp", False, {}, compare_all_schedule),
+                ("split old", True, old, ORIG_SCHEDULE),
+                ("split new", True, {}, ORIG_SCHEDULE),
+                ("split new cmp", True, {}, compare_all_schedule)):
+            rpa.tile_schedule = sched
+            dispatch.ragged_paged_attention = functools.partial(
+                rpa.ragged_paged_attention, **(cfg or {}))
+            jax.clear_caches()
+            if split is None:
+                f = jax.jit(lambda q, kc, vc, t, l, s: sched(s, l, q.shape[0], 64))
+            elif split:
+                f = jax.jit(functools.partial(dispatch.mixed_step_attention,
+                                              sm_scale=bk.SM_SCALE))
+            else:
+                f = jax.jit(functools.partial(rpa.ragged_paged_attention,
+                                              sm_scale=bk.SM_SCALE, **cfg))
             sec = bk.bench(f, q, kc, vc, tables, lens, qsl, budget_s=0.1, repeats=5)
             rows.append(dict(seqs=n, prompt=prompt, variant=name, us=sec * 1e6))
             print(json.dumps(rows[-1]), flush=True)
-    print(f"\n{'seqs':>5} {'prompt':>6} {'variant':>12} {'us':>9}")
+    rpa.tile_schedule = ORIG_SCHEDULE
+    print(f"\n{'seqs':>5} {'prompt':>6} {'variant':>15} {'us':>9}")
     for r in rows:
-        print(f"{r['seqs']:>5} {r['prompt']:>6} {r['variant']:>12} {r['us']:9.1f}")
+        print(f"{r['seqs']:>5} {r['prompt']:>6} {r['variant']:>15} {r['us']:9.1f}")
 
 
 def decode_ab():
