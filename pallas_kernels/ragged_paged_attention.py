@@ -109,7 +109,11 @@ def tile_schedule(query_start_loc, seq_lens, num_tokens, block_q):
     n = (q_lens + block_q - 1) // block_q
     cum = jnp.cumsum(n)
     i = num_tiles - 1 - jnp.arange(num_tiles, dtype=jnp.int32)    # last tiles first
-    seq = jnp.searchsorted(cum, i, side="right").astype(jnp.int32)
+    # One broadcast compare ([NT, S + 1], small): searchsorted's default is a while
+    # loop, and XLA's GPU while loop reads its condition back to the host every trip:
+    # 90-200 us per call on the H200, more than the kernel itself at short prompts
+    # (scripts/prefill_probe.py --small, 2026-12-01).
+    seq = jnp.searchsorted(cum, i, side="right", method="compare_all").astype(jnp.int32)
     sc = jnp.minimum(seq, num_seqs)
     j = i - (cum[sc] - n[sc])
     ntok = jnp.where(seq <= num_seqs, jnp.clip(q_lens[sc] - j * block_q, 0, block_q), 0)
