@@ -81,3 +81,12 @@ def test_fused_qkv_decode_path_lowers():
     assert "triton" in lower_for_cuda(write, qkv, qkv, pool, pool, SD((64,), I32))
     decode = functools.partial(paged_attention_decode, sm_scale=0.1, num_q_heads=hq)
     assert "triton" in lower_for_cuda(decode, qkv, pool, pool, SD((64, 64), I32), SD((64,), I32))
+
+
+def test_mixed_step_lowers():
+    """A step that is not pure decode: the ragged kernel and the decode kernel (for the
+    one-query sequences) in one program."""
+    from pallas_kernels.dispatch import mixed_step_attention
+    fn = functools.partial(mixed_step_attention, sm_scale=0.1)
+    text = lower_for_cuda(fn, *_shapes(512, 16, 32, 8, 128, 16, BF16))
+    assert "ragged_paged_attention" in text and "paged_attention_decode" in text
