@@ -14,6 +14,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxllm.config import CacheConfig, ConfigError
 from jaxllm.models.registry import ArchConfig
@@ -182,3 +183,40 @@ def allocate(arch: ArchConfig, num_blocks: int, block_size: int, dtype, sharding
         return jax.jit(make)()
     out_shardings = [(sharding, sharding)] * arch.num_layers
     return jax.jit(make, out_shardings=out_shardings)()
+
+
+# ---------------------------------------------------------------- swap to host memory
+def allocate_host_pool(kv_caches, num_cpu_blocks: int):
+    """Per layer a (k, v) pair of host arrays [Hkv, num_cpu_blocks, BS, D]; None for 0."""
+    if num_cpu_blocks == 0:
+        return None
+    k = kv_caches[0][0]
+    shape = (k.shape[0], num_cpu_blocks, k.shape[2], k.shape[3])
+    return [(np.zeros(shape, k.dtype), np.zeros(shape, k.dtype)) for _ in kv_caches]
+
+
+def swap_out(kv_caches, pairs, host_pool) -> None:
+    """Copy device blocks to host blocks: pairs [(gpu, cpu)]."""
+    if not pairs:
+        return
+    gpu = np.array([g for g, _ in pairs], np.int32)
+    cpu = np.array([c for _, c in pairs], np.int32)
+    for layer, (k, v) in enumerate(kv_caches):
+        host_pool[layer][0][:, cpu] = np.asarray(jax.device_get(k[:, gpu]))
+        host_pool[layer][1][:, cpu] = np.asarray(jax.device_get(v[:, gpu]))
+
+
+def swap_in(kv_caches, pairs, host_pool):
+    """Copy host blocks back to device blocks: pairs [(cpu, gpu)]. Returns the new pool."""
+    if not pairs:
+        return kv_caches
+    cpu = np.array([c for c, _ in pairs], np.int32)
+    gpu = jnp.asarray(np.array([g for _, g in pairs], np.int32))
+    return [(_scatter_blocks(k, gpu, jnp.asarray(host_pool[layer][0][:, cpu])),
+             _scatter_blocks(v, gpu, jnp.asarray(host_pool[layer][1][:, cpu])))
+            for layer, (k, v) in enumerate(kv_caches)]
+
+
+@jax.jit
+def _scatter_blocks(cache, ids, blocks):
+    return cache.at[:, ids].set(blocks.astype(cache.dtype))

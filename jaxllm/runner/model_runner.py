@@ -472,35 +472,11 @@ class ModelRunner:
     # ------------------------------------------------------------ swap
     def swap_out(self, pairs, host_pool):
         """Copy GPU blocks to host blocks: pairs [(gpu, cpu)]."""
-        if not pairs:
-            return
-        gpu = np.array([g for g, _ in pairs], np.int32)
-        cpu = np.array([c for _, c in pairs], np.int32)
-        for layer, (k, v) in enumerate(self.kv_caches):
-            host_pool[layer][0][:, cpu] = np.asarray(jax.device_get(k[:, gpu]))
-            host_pool[layer][1][:, cpu] = np.asarray(jax.device_get(v[:, gpu]))
+        kv_cache.swap_out(self.kv_caches, pairs, host_pool)
 
     def swap_in(self, pairs, host_pool):
         """Copy host blocks back to GPU blocks: pairs [(cpu, gpu)]."""
-        if not pairs:
-            return
-        cpu = np.array([c for c, _ in pairs], np.int32)
-        gpu = jnp.asarray(np.array([g for _, g in pairs], np.int32))
-        new = []
-        for layer, (k, v) in enumerate(self.kv_caches):
-            k = _scatter_blocks(k, gpu, jnp.asarray(host_pool[layer][0][:, cpu]))
-            v = _scatter_blocks(v, gpu, jnp.asarray(host_pool[layer][1][:, cpu]))
-            new.append((k, v))
-        self.kv_caches = new
+        self.kv_caches = kv_cache.swap_in(self.kv_caches, pairs, host_pool)
 
     def host_pool(self, num_cpu_blocks: int):
-        if num_cpu_blocks == 0:
-            return None
-        k = self.kv_caches[0][0]
-        shape = (k.shape[0], num_cpu_blocks, k.shape[2], k.shape[3])
-        return [(np.zeros(shape, k.dtype), np.zeros(shape, k.dtype)) for _ in self.kv_caches]
-
-
-@jax.jit
-def _scatter_blocks(cache, ids, blocks):
-    return cache.at[:, ids].set(blocks.astype(cache.dtype))
+        return kv_cache.allocate_host_pool(self.kv_caches, num_cpu_blocks)
