@@ -17,6 +17,12 @@ jaxllm-executables/<key>.bin`:
 
 A file that cannot be read or loaded is skipped with a warning and compiled again.
 Each file starts with a digest of its contents, so a damaged one never reaches XLA.
+
+Every key changes with the source, so each upgrade (or edit) adds a new set of files.
+The folder is kept under a size cap, least recently used files first (a load marks its
+file used): jax's `jax_compilation_cache_max_size` when set (0 turns the store off, as
+it turns jax's cache off), else DEFAULT_MAX_BYTES. Files this process loaded or saved
+are never removed by it.
 """
 from __future__ import annotations
 
@@ -40,6 +46,7 @@ logger = logging.getLogger(__name__)
 FOLDER = "jaxllm-executables"
 _MAGIC = b"jaxllm-executable-1\n"
 _PACKAGES = ("jaxllm", "pallas_kernels")
+DEFAULT_MAX_BYTES = 4 << 30
 # Distributions whose version changes what a serialized executable means.
 _DISTRIBUTIONS = ("jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda12-pjrt",
                   "jax-cuda13-plugin", "jax-cuda13-pjrt")
@@ -97,6 +104,13 @@ def environment(mesh) -> list[str]:
             f"source={source_hash()}"]
 
 
+def max_bytes() -> int:
+    """The store's size cap: jax's compilation cache cap when set (>= 0), else
+    DEFAULT_MAX_BYTES. 0: no store."""
+    cap = jax.config.jax_compilation_cache_max_size
+    return DEFAULT_MAX_BYTES if cap < 0 else cap
+
+
 class Loaded(NamedTuple):
     compiled: Any                   # jax.stages.Compiled
     peak_bytes: int | None          # device bytes at its peak, from memory_analysis
@@ -119,8 +133,10 @@ class ExecutableStore:
     `static`: reprs of what every program of this runner shares (model arch,
     engine settings, the weights' signature); see the module docstring."""
 
-    def __init__(self, cache_dir: str, mesh, static: list[str]):
+    def __init__(self, cache_dir: str, mesh, static: list[str], cap: int | None = None):
         self.folder = os.path.join(os.path.abspath(os.path.expanduser(cache_dir)), FOLDER)
+        self.max_bytes = max_bytes() if cap is None else cap
+        self._used: set[str] = set()        # paths this process loaded or saved
         self.devices = list(mesh.devices.flat)
         h = hashlib.sha256()
         for part in environment(mesh) + static:
@@ -155,8 +171,13 @@ class ExecutableStore:
             logger.warning("executable store: ignoring %s (%s: %s); compiling it again",
                            path, type(e).__name__, str(e)[:200])
             return None
+        try:
+            os.utime(path)                  # the LRU clock: mtime
+        except OSError:
+            pass
         with self._lock:
             self.loads += 1
+            self._used.add(path)
         return Loaded(compiled, peak)
 
     def save(self, key: str, compiled, peak: int | None) -> None:
@@ -183,6 +204,41 @@ class ExecutableStore:
             return
         with self._lock:
             self.saves += 1
+            self._used.add(path)
+
+    def prune(self) -> int:
+        """Remove the least recently used files (oldest mtime first) until the folder
+        fits `max_bytes`, sparing those this process used. Returns how many went."""
+        try:
+            names = os.listdir(self.folder)
+        except OSError:
+            return 0
+        entries = []
+        for name in names:
+            path = os.path.join(self.folder, name)
+            try:
+                st = os.stat(path)
+            except OSError:                 # removed by another process meanwhile
+                continue
+            entries.append((st.st_mtime, st.st_size, path))
+        total, removed = sum(e[1] for e in entries), 0
+        with self._lock:
+            used = set(self._used)
+        for _, size, path in sorted(entries):
+            if total <= self.max_bytes:
+                break
+            if path in used:
+                continue
+            try:
+                os.remove(path)
+            except OSError:
+                continue
+            total, removed = total - size, removed + 1
+        if removed:
+            logger.info("executable store: removed %d least recently used file(s); "
+                        "%.0f MB left (cap %.0f MB)", removed, total / 2**20,
+                        self.max_bytes / 2**20)
+        return removed
 
 
 def _unwrap(data: bytes) -> bytes:
@@ -275,9 +331,12 @@ class CompileQueue:
         """name -> Loaded for every program queued, once all are ready; closes the
         queue (an error of any compile is raised here)."""
         try:
-            return {name: future.result() for name, future in self._futures.items()}
+            out = {name: future.result() for name, future in self._futures.items()}
         finally:
             self._pool.shutdown()
+        if self.store:
+            self.store.prune()
+        return out
 
     def cancel(self) -> None:
         """Drop what is not compiling yet (the programs are stale) and close."""

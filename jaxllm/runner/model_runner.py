@@ -129,9 +129,11 @@ class ModelRunner:
         self.store = self._open_store(treedef)
 
     def _open_store(self, treedef) -> executable_store.ExecutableStore | None:
-        """The executable store, when a compilation cache folder is configured; not
-        with several processes (unverified there: the tests run one process)."""
-        if self.config.compilation_cache_dir is None or jax.process_count() > 1:
+        """The executable store, when a compilation cache folder is configured and
+        jax's cache is not capped at 0; not with several processes (unverified there:
+        the tests run one process)."""
+        if (self.config.compilation_cache_dir is None or jax.process_count() > 1
+                or executable_store.max_bytes() == 0):
             return None
         kv_dtype = kv_cache.cache_dtype(self.config.cache, self.model_dtype)
         static = [repr(self.arch), repr(self.spec), str(treedef),

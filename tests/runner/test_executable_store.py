@@ -90,6 +90,47 @@ def test_restart_loads_every_program_and_traces_nothing(first, count_traces):
     assert all(len(c.donate_argnums) == num_pool_leaves for c in steps)
 
 
+def test_folder_kept_under_its_cap_least_recently_used_first(first, tmp_path):
+    """Files of other configurations (older) go first, oldest first, until the folder
+    fits jax's cache cap; the files this start loaded are kept and marked used."""
+    folder, cache, _, tokens = first
+    copy = str(tmp_path / "xla")
+    shutil.copytree(cache, copy)
+    ours = store_files(copy)
+    old = os.path.getmtime(ours[0]) - 1000
+    for path in ours:
+        os.utime(path, (old, old))
+    stale = [os.path.join(copy, executable_store.FOLDER, f"stale{i}.bin") for i in range(3)]
+    for i, path in enumerate(stale):
+        with open(path, "wb") as f:
+            f.write(b"x" * 1000)
+        os.utime(path, (old - 100 + i, old - 100 + i))    # stale0 the least recent
+    cap = sum(os.path.getsize(p) for p in ours) + 1000      # room for one stale file
+    saved = jax.config.jax_compilation_cache_max_size
+    jax.config.update("jax_compilation_cache_max_size", cap)
+    try:
+        llm = LLM(folder, compilation_cache_dir=copy, **ENGINE)
+    finally:
+        jax.config.update("jax_compilation_cache_max_size", saved)
+    assert llm.llm_engine.runner.store.loads == NUM_PROGRAMS
+    assert store_files(copy) == sorted(ours + stale[2:])
+    assert all(os.path.getmtime(p) > old + 500 for p in ours)
+    assert generate(llm) == tokens
+
+
+def test_cap_zero_turns_the_store_off(first):
+    folder, cache, _, _ = first
+    saved = jax.config.jax_compilation_cache_max_size
+    jax.config.update("jax_compilation_cache_max_size", 0)
+    try:
+        assert executable_store.max_bytes() == 0
+        llm = LLM(folder, compilation_cache_dir=cache, enforce_eager=True, **ENGINE)
+    finally:
+        jax.config.update("jax_compilation_cache_max_size", saved)
+    assert llm.llm_engine.runner.store is None
+    assert executable_store.max_bytes() == executable_store.DEFAULT_MAX_BYTES
+
+
 def warm_up_keys(folder: str, cache: str, **overrides) -> set[str]:
     """The store keys of an engine's warm-up programs (enforce_eager: nothing compiled)."""
     llm = LLM(folder, compilation_cache_dir=cache, enforce_eager=True,
