@@ -132,18 +132,21 @@ async def _arrivals(requests: list[BenchRequest], rate: float, burstiness: float
 
 
 async def _benchmark(args, url, model, headers, requests):
-    import httpx
     from tqdm import tqdm
     bar = tqdm(total=len(requests), disable=args.disable_tqdm, file=sys.stderr)
     limit = (asyncio.Semaphore(args.max_concurrency) if args.max_concurrency
              else contextlib.nullcontext())
-    timeout, limits = httpx.Timeout(None, connect=30.0), httpx.Limits(max_connections=None)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+    async with contextlib.AsyncExitStack() as stack:
         # Plain HTTP goes through asyncio's streams: httpx costs more per request and
         # per SSE line than a 1000-stream burst leaves a one-process client (vLLM's
         # client uses aiohttp for the same reason); https through httpx.
-        stream = _raw_stream if url.startswith("http://") else functools.partial(
-            _httpx_stream, client)
+        stream = _raw_stream
+        if not url.startswith("http://"):
+            import httpx
+            client = await stack.enter_async_context(httpx.AsyncClient(
+                timeout=httpx.Timeout(None, connect=30.0),
+                limits=httpx.Limits(max_connections=None)))
+            stream = functools.partial(_httpx_stream, client)
 
         async def one(request):
             async with limit:
