@@ -14,11 +14,9 @@ cuDNN's `jax.nn.dot_product_attention` on the same (non-paged) shapes:
   flat     one query head per program (FlashAttention-2's layout, M = block_q
            tokens) instead of the G heads of a KV head packed into the rows
 
-    python scripts/prefill_probe.py [--ptx DIR] [--decode] [--small]
+    python scripts/prefill_probe.py [--decode] [--small]
 
-GPU only. --ptx: compile the shipped kernel once with XLA's dump on and count the
-PTX instructions that say how the dots and loads were compiled (wgmma, mma.sync,
-cp.async, ld.global). --decode: the decode kernel instead, per-block against per-key
+GPU only. --decode: the decode kernel instead, per-block against per-key
 block-table reads, bf16 and fp8 KV, at its default split count and at one split (the
 decode kernel ships per key: 2026-12-01, per block was slower with fp8 and at B=8).
 --small: short prompts (a latency benchmark's prefill), the ragged kernel at its old
@@ -28,11 +26,8 @@ from __future__ import annotations
 
 import argparse
 import functools
-import glob
 import json
 import os
-import re
-import subprocess
 import sys
 
 import jax
@@ -149,13 +144,10 @@ FLAT = [dict(block_q=b, blocks_per_step=p, num_warps=w, num_stages=s) for b, p, 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--ptx", help="dump dir: count PTX instructions of the shipped kernel")
     ap.add_argument("--decode", action="store_true")
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--only", default="base,contig,perkey,fma,flat")
     args = ap.parse_args()
-    if args.ptx:
-        return count_ptx(args.ptx)
     if args.decode:
         return decode_ab()
     if args.small:
@@ -289,26 +281,6 @@ def decode_ab():
     for r in rows:
         print(f"{r['batch']:>5} {r['ctx']:>5} {r['kv']:>14} {r['splits']:>8} {r['slots']:>9} "
               f"{r['ms']:7.3f} {r['tbs']:6.2f}")
-
-
-def count_ptx(dump):
-    """Compile the shipped kernel in a child with XLA's dump on; count instructions."""
-    code = ("import functools, jax, sys; sys.path[:0] = ['scripts', '.']; import bench_kernels as bk;"
-            "from pallas_kernels.ragged_paged_attention import ragged_paged_attention as r;"
-            "a = bk.ragged_inputs(8, 2048); q, k, v, kc, vc, t, l, s, _ = a;"
-            "jax.block_until_ready(jax.jit(functools.partial(r, sm_scale=bk.SM_SCALE))"
-            "(q, kc, vc, t, l, s))")
-    env = dict(os.environ, XLA_FLAGS=f"--xla_dump_to={dump}")
-    subprocess.run([sys.executable, "-c", code], env=env, check=True)
-    pats = ["wgmma.mma_async", "mma.sync", "cp.async.cg", "cp.async.ca", "cp.async.bulk",
-            "ld.global", "ld.shared", "st.shared", "ldmatrix", "bar.sync", "local"]
-    for path in sorted(glob.glob(os.path.join(dump, "*.ptx"))):
-        text = open(path).read()
-        if "ragged" not in text:
-            continue
-        for m in re.finditer(r"\.entry\s+(\w+)", text):
-            print("entry", m.group(1))
-        print(os.path.basename(path), {p: text.count(p) for p in pats})
 
 
 if __name__ == "__main__":

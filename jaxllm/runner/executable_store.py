@@ -133,9 +133,9 @@ class ExecutableStore:
     `static`: reprs of what every program of this runner shares (model arch,
     engine settings, the weights' signature); see the module docstring."""
 
-    def __init__(self, cache_dir: str, mesh, static: list[str], cap: int | None = None):
+    def __init__(self, cache_dir: str, mesh, static: list[str]):
         self.folder = os.path.join(os.path.abspath(os.path.expanduser(cache_dir)), FOLDER)
-        self.max_bytes = max_bytes() if cap is None else cap
+        self.max_bytes = max_bytes()
         self._used: set[str] = set()        # paths this process loaded or saved
         self.devices = list(mesh.devices.flat)
         h = hashlib.sha256()
@@ -341,17 +341,3 @@ class CompileQueue:
     def cancel(self) -> None:
         """Drop what is not compiling yet (the programs are stale) and close."""
         self._pool.shutdown(wait=False, cancel_futures=True)
-
-
-def load_or_compile(programs: list[Program], store: ExecutableStore | None,
-                    compile_workers: int, load_workers: int = 1) -> dict[tuple, Loaded]:
-    """name -> Loaded for every program: from the store where it holds them, else
-    lowered here and compiled on `compile_workers` threads (see CompileQueue)."""
-    t0 = time.perf_counter()
-    queue = CompileQueue(store, compile_workers, load_workers)
-    queue.submit(programs)
-    out = queue.results()
-    logger.info("programs: %d loaded from the executable store, %d lowered (%.1f s on this "
-                "thread) and compiled, in %.1f s", len(programs) - queue.num_lowered,
-                queue.num_lowered, queue.t_lower, time.perf_counter() - t0)
-    return out

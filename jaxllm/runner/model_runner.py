@@ -413,15 +413,18 @@ class ModelRunner:
         args = self._step_args(self._dummy_arrays(t, s), decode_only, kv_caches)
         return executable_store.Program(("step", t, s, decode_only), args[1:], self._step, args)
 
+    def _dummy_logits(self, s: int):
+        """What the sampler sees from the step: float32 logits [S, V], replicated."""
+        return jax.device_put(np.zeros((s, self.arch.vocab_size), np.float32),
+                              self._replicated)
+
     def _warm_up_programs(self, kv_caches=None) -> list[executable_store.Program]:
         """Every bucket's step (on `kv_caches`, else the runner's pool), then the
         sampler variants for each sequence bucket."""
         shapes = self.plan.all_shapes()
         programs = [self._step_program(*shape, kv_caches) for shape in shapes]
         for s in sorted({s for _, s, _ in shapes}):
-            # The sampler sees the step's logits: float32 [S, V], replicated.
-            logits = jax.device_put(np.zeros((s, self.arch.vocab_size), np.float32),
-                                    self._replicated)
+            logits = self._dummy_logits(s)
             md = dummy_metadata(s)
             programs += [executable_store.Program(
                 ("sample", s, flags), (logits, md, self._token_buf), self._sample,
@@ -466,9 +469,8 @@ class ModelRunner:
                 args = self._step_args(self._dummy_arrays(t, s), decode_only)
                 out, self.kv_caches = program(*args)
             elif key[0] == "sample":
-                logits = jax.device_put(np.zeros((key[1], self.arch.vocab_size), np.float32),
-                                        self._replicated)
-                out = program(logits, dummy_metadata(key[1]), self._token_buf)
+                out = program(self._dummy_logits(key[1]), dummy_metadata(key[1]),
+                              self._token_buf)
         jax.block_until_ready((out, self.kv_caches))
 
     # ------------------------------------------------------------ swap

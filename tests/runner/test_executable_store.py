@@ -338,7 +338,9 @@ def test_compiles_start_while_later_programs_lower():
             return None
 
     programs = [executable_store.Program(("p", i), (), Jitted(i > 0), ()) for i in range(2)]
-    out = executable_store.load_or_compile(programs, None, compile_workers=2)
+    queue = executable_store.CompileQueue(None, compile_workers=2)
+    queue.submit(programs)
+    out = queue.results()
     assert waited == [True] and set(out) == {("p", 0), ("p", 1)}
 
 
