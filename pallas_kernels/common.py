@@ -28,6 +28,27 @@ LOG2E = math.log2(math.e)
 MASK = -1e30
 
 
+# Streaming multiprocessors assumed where the device cannot say: CPU / interpret mode,
+# or a device without the attribute. 132 is the H100 / H200 SXM count.
+FALLBACK_NUM_SMS = 132
+
+
+def num_sms() -> int:
+    """Streaming multiprocessors of the GPU the kernels are lowered for: the abstract
+    mesh's device when one is in context (lowering for a GPU this machine lacks), else
+    the default device's ``core_count``; ``FALLBACK_NUM_SMS`` when neither is a GPU.
+    Only steers launch heuristics, never results."""
+    try:
+        dev = jax.sharding.get_abstract_mesh().abstract_device
+    except AttributeError:       # no abstract mesh (older jax) or none in context
+        dev = None
+    if dev is not None and dev.platform == "gpu" and dev.num_cores:
+        return int(dev.num_cores)
+    dev = jax.devices()[0]
+    count = getattr(dev, "core_count", None) if dev.platform == "gpu" else None
+    return int(count) if count else FALLBACK_NUM_SMS
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
@@ -90,11 +111,11 @@ def tile_slots(bt_ref, seq, first, *, tile, block_size, per_block=False):
     column is clamped, so a tile past the row's end still reads in bounds).
 
     ``per_block``: read the table once per pool block and broadcast over its slots
-    (``first`` and K multiples of ``block_size``) instead of once per key. Measured on
-    the H200 (``scripts/prefill_probe.py``, 2026-12-01): the ragged kernel at 256 rows
-    per program takes 0.754 ms per block against 1.137-1.156 ms per key at 8 x 2048;
-    the decode kernel is slower per block with fp8 KV (0.152 against 0.134 ms at B=64
-    ctx 2048) and at B=8 ctx 512 (0.066 against 0.051 ms), so it reads per key.
+    (``first`` and K multiples of ``block_size``) instead of once per key. On the H200
+    the ragged kernel at 256 rows per program takes 0.754 ms per block against
+    1.137-1.156 ms per key at 8 x 2048 causal; the decode kernel is slower per block
+    with fp8 KV (0.152 against 0.134 ms at B=64 ctx 2048) and at B=8 ctx 512 (0.066
+    against 0.051 ms), so it reads per key.
     """
     if not per_block:
         kpos = first + jnp.arange(tile)

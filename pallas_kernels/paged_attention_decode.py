@@ -24,9 +24,6 @@ from jax.experimental import pallas as pl
 from pallas_kernels import common
 from pallas_kernels.ragged_paged_attention import ref_ragged_paged_attention
 
-NUM_SMS = 132  # H200; only steers the default k_splits heuristic
-
-
 def ref_paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, *, sm_scale,
                                sliding_window=None, k_scale=1.0, v_scale=1.0,
                                num_q_heads=None):
@@ -42,15 +39,16 @@ def ref_paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, *, s
 
 
 def default_k_splits(num_seqs, num_kv_heads, max_steps):
-    """About one wave of programs on the card, but >= 2 steps per split.
+    """About one wave of programs on the card (its SM count, ``common.num_sms``), but
+    >= 2 steps per split.
 
-    Measured in the 8B decode step on the H200 (scripts/decode_splits_probe.py; 8 KV
-    heads, block tables 2048 tokens wide): at 8 sequences 4 splits beat the 16 that
-    a target of 8 waves gave (4.21 / 4.49 / 4.77 ms against 4.33 / 4.57 / 4.84 ms at
-    contexts 100 / 1000 / 2000), and at 64 sequences 1 split beat 4 (6.98 against
-    7.15 ms at context 1000): each split costs a partial-output write and the combine
-    kernels, more than the idle SMs save."""
-    want = common.next_pow2(common.cdiv(NUM_SMS, num_seqs * num_kv_heads))
+    In the Llama-3.1-8B decode step on the H200 (8 KV heads, block tables 2048 tokens
+    wide): at 8 sequences 4 splits beat the 16 that a target of 8 waves gives (4.21 /
+    4.49 / 4.77 ms against 4.33 / 4.57 / 4.84 ms at contexts 100 / 1000 / 2000), and
+    at 64 sequences 1 split beats 4 (6.98 against 7.15 ms at context 1000): each split
+    costs a partial-output write and the combine kernels, more than the idle SMs
+    save."""
+    want = common.next_pow2(common.cdiv(common.num_sms(), num_seqs * num_kv_heads))
     return max(1, min(want, max_steps // 2))
 
 
@@ -68,6 +66,8 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, *, sm_sc
     hkv, nb, bs, _ = k_cache.shape
     g = hq // hkv
     gp, dp = max(16, common.next_pow2(g)), common.next_pow2(d)
+    # 64 keys per step, 4 warps, 2 stages: the best of the H200 sweep at B=64 ctx 2048
+    # (0.136 ms, 3.95 TB/s; scripts/bench_kernels.py).
     if blocks_per_step is None:
         blocks_per_step = max(1, 64 // bs)
     tile = blocks_per_step * bs
