@@ -137,6 +137,12 @@ class BlockPool:
         self._cached[block_hash] = block
         return block.serial
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (call with no block in use: their KV is gone)."""
+        for block in self._cached.values():
+            block.reset_hash()
+        self._cached.clear()
+
     def record_prefix_query(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_cache_queries += num_query_tokens
         self.prefix_cache_hits += num_hit_tokens

@@ -18,7 +18,7 @@ from jaxllm.config import EngineConfig, check_against_model, effective_max_model
 from jaxllm.engine.detokenizer import IncrementalDetokenizer
 from jaxllm.engine.output_wire import pack_metrics
 from jaxllm.engine.request import Request, RequestStatus
-from jaxllm.engine.scheduler import Scheduler
+from jaxllm.engine.scheduler import KVCacheLostError, Scheduler
 from jaxllm.outputs import CompletionOutput, RequestOutput, make_logprobs_entry
 from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -281,7 +281,13 @@ class LLMEngine:
         for rid in requests:
             m = self.groups[self._group_id(rid)].metrics
             m.first_scheduled_time = m.first_scheduled_time or now
-        return so, self.runner.execute_model(so, requests, seeds)
+        try:
+            return so, self.runner.execute_model(so, requests, seeds)
+        except KVCacheLostError as e:
+            logger.warning("%s: %d running requests compute their KV again", e,
+                           self.scheduler.num_running)
+            self.scheduler.recompute_all(so)
+            return None
 
     def _finish(self, so, handle, make) -> list:
         """Read a launched step back and turn it into outputs (``make`` of a group)."""

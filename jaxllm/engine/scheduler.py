@@ -54,6 +54,12 @@ class ScheduledRequest:
     output_index: int           # len(output_token_ids) at schedule time (seeded sampling)
 
 
+class KVCacheLostError(RuntimeError):
+    """A step failed after its KV pool was donated to it (a program read from disk
+    that could not run; the runner compiled it again and allocated a zeroed pool):
+    every sequence's KV must be computed again (Scheduler.recompute_all)."""
+
+
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)   # batch order
@@ -150,6 +156,23 @@ class Scheduler:
     def block_pool(self) -> BlockPool:
         """For metrics: get_usage(), prefix_cache_queries / prefix_cache_hits."""
         return self.kv_cache_manager.block_pool
+
+    def recompute_all(self, lost: SchedulerOutput) -> None:
+        """The device's KV pool was lost with step `lost` (see KVCacheLostError):
+        forget that step, and every running request computes its tokens again, as a
+        recompute preemption does. Swapped requests keep their host copies."""
+        for sched in lost.scheduled:
+            request = self.requests.get(sched.request_id)
+            if request is not None and sched.do_sample:
+                request.num_output_placeholders -= 1
+        for request in reversed(self.running):
+            self.num_preemptions_total += 1
+            self.kv_cache_manager.free(request)
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.PREEMPTED
+            self.waiting.appendleft(request)
+        self.running = []
+        self.kv_cache_manager.block_pool.reset_prefix_cache()
 
     # -- one step ---------------------------------------------------------------------
 

@@ -17,6 +17,16 @@ jaxllm-executables/<key>.bin`:
 
 A file that cannot be read or loaded is skipped with a warning and compiled again.
 Each file starts with a digest of its contents, so a damaged one never reaches XLA.
+A program that loads but fails its first run is evicted (`evict`) and compiled again
+by the runner.
+
+Only fresh compiles are saved. An executable that jax's persistent cache served (a
+hit inside `lowered.compile()`) is used but not saved: on XLA:CPU a deserialized
+executable serialized again lacks kernels, and loading that copy fails on its first
+run ("Function wrapped_iota not found (type id: 1)"). jax's cache serves such hits
+whenever it holds a program the store does not: two buckets that lower to the same
+HLO (decode-only and mixed at T = S), or every program once a source edit changed the
+store's keys. Those programs come from jax's cache on each start instead.
 
 Every key changes with the source, so each upgrade (or edit) adds a new set of files.
 The folder is kept under a size cap, least recently used files first (a load marks its
@@ -114,6 +124,7 @@ def max_bytes() -> int:
 class Loaded(NamedTuple):
     compiled: Any                   # jax.stages.Compiled
     peak_bytes: int | None          # device bytes at its peak, from memory_analysis
+    from_disk: bool = False         # loaded from a file (the store or jax's cache)
 
 
 def peak_bytes(compiled) -> int | None:
@@ -178,7 +189,7 @@ class ExecutableStore:
         with self._lock:
             self.loads += 1
             self._used.add(path)
-        return Loaded(compiled, peak)
+        return Loaded(compiled, peak, from_disk=True)
 
     def save(self, key: str, compiled, peak: int | None) -> None:
         """Write atomically (a reader sees the old file or the whole new one); a
@@ -205,6 +216,18 @@ class ExecutableStore:
         with self._lock:
             self.saves += 1
             self._used.add(path)
+
+    def evict(self, key: str, reason: str) -> None:
+        """Remove a stored executable that loaded but failed to run (logged once)."""
+        path = self.path(key)
+        logger.warning("executable store: %s failed its first run (%s); removed, "
+                       "compiling it again", path, reason[:200])
+        with self._lock:
+            self._used.discard(path)
+        try:
+            os.remove(path)
+        except OSError:
+            pass
 
     def prune(self) -> int:
         """Remove the least recently used files (oldest mtime first) until the folder
@@ -239,6 +262,27 @@ class ExecutableStore:
                         "%.0f MB left (cap %.0f MB)", removed, total / 2**20,
                         self.max_bytes / 2**20)
         return removed
+
+
+_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+_hits = threading.local()      # jax records the event on the compiling thread
+_listening = False
+
+
+def _count_hit(event: str, **_) -> None:
+    if event == _HIT_EVENT:
+        _hits.n = getattr(_hits, "n", 0) + 1
+
+
+def compile_fresh_or_cached(lowered) -> tuple[Any, bool]:
+    """(lowered.compile(), whether jax's persistent cache served it)."""
+    global _listening
+    if not _listening:
+        _listening = True
+        jax.monitoring.register_event_listener(_count_hit)
+    before = getattr(_hits, "n", 0)
+    compiled = lowered.compile()
+    return compiled, getattr(_hits, "n", 0) > before
 
 
 def _unwrap(data: bytes) -> bytes:
@@ -318,10 +362,10 @@ class CompileQueue:
             self._futures[p.name] = self._pool.submit(self._compile, lowered, keys.get(p.name))
 
     def _compile(self, lowered, key: str | None) -> Loaded:
-        compiled = lowered.compile()
-        loaded = Loaded(compiled, peak_bytes(compiled))
-        if self.store:
-            self.store.save(key, *loaded)
+        compiled, cached = compile_fresh_or_cached(lowered)
+        loaded = Loaded(compiled, peak_bytes(compiled), from_disk=cached)
+        if self.store and not cached:       # see the module docstring
+            self.store.save(key, compiled, loaded.peak_bytes)
         return loaded
 
     def result(self, name: tuple) -> Loaded:

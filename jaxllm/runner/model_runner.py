@@ -26,7 +26,7 @@ import numpy as np
 from flax import nnx
 
 from jaxllm.config import EngineConfig
-from jaxllm.engine.scheduler import PLACEHOLDER_TOKEN_ID
+from jaxllm.engine.scheduler import PLACEHOLDER_TOKEN_ID, KVCacheLostError
 from jaxllm.layers.attention import AttentionSpec
 from jaxllm.models.loader import LoadedModel
 from jaxllm.parallel import distributed, mesh as mesh_lib
@@ -123,6 +123,8 @@ class ModelRunner:
         # The warm-up's compiled programs, called directly: ("step", T, S, decode_only)
         # and ("sample", S, flags). Anything else goes through the jits above.
         self._programs: dict[tuple, jax.stages.Compiled] = {}
+        # Programs loaded from a file and not run yet: their first run is checked.
+        self._unverified: set[tuple] = set()
         # Compiles started by the KV sizing for a pool of _queue_blocks; see warm_up.
         self._queue: executable_store.CompileQueue | None = None
         self._queue_blocks = 0
@@ -183,17 +185,31 @@ class ModelRunner:
                 num_devices=self.mesh.size, max_num_seqs=self.config.scheduler.max_num_seqs)
         # Multi-host: one pool spans the processes, so all must size it alike.
         report = dataclasses.replace(report, num_blocks=distributed.agree_min(report.num_blocks))
-        self.kv_caches = kv_cache.allocate(self.arch, report.num_blocks, self.block_size,
-                                           dtype, sharding, tp=self.mesh.size)
         self.num_blocks = report.num_blocks
+        self.kv_caches = self._allocate_pool()
         if self._queue is not None and self._queue_blocks != report.num_blocks:
             self._queue.cancel()
             self._queue = None
         if self._queue is not None and self.config.enforce_eager:    # no warm-up follows
-            self._programs.update((n, x.compiled) for n, x in self._queue.results().items())
+            self._keep(self._queue.results())
             self._queue = None
         logger.info("KV cache: %s", report.describe(self.block_size))
         return report
+
+    def _allocate_pool(self):
+        """A zeroed pool of self.num_blocks blocks."""
+        return kv_cache.allocate(
+            self.arch, self.num_blocks, self.block_size,
+            kv_cache.cache_dtype(self.config.cache, self.model_dtype),
+            mesh_lib.kv_cache_sharding(self.mesh, self.arch.num_kv_heads), tp=self.mesh.size)
+
+    def _keep(self, loaded: dict) -> None:
+        """Keep ready programs for dispatch; those read from a file are checked on
+        their first run."""
+        for name, x in loaded.items():
+            self._programs[name] = x.compiled
+            if x.from_disk:
+                self._unverified.add(name)
 
     def _queue_programs(self, num_blocks: int, pool) -> None:
         """A fresh compile queue (any earlier one is stale): the largest step on an
@@ -293,16 +309,47 @@ class ModelRunner:
     def _call(self, key: tuple, args: tuple, jitted, jit_args: tuple):
         """The warm-up's program for `key`, else the jit (which compiles on first use)."""
         compiled = self._programs.get(key)
-        if compiled is not None:
-            try:
-                return compiled(*args)
-            except (TypeError, ValueError) as e:
-                # Arguments unlike the warm-up's. Checked before the program runs, so
-                # nothing was donated yet.
-                logger.warning("%s: the warm-up's program rejects these arguments (%s); "
-                               "using the jit from now on", key, str(e)[:300])
-                del self._programs[key]
-        return jitted(*jit_args)
+        if compiled is None:
+            return jitted(*jit_args)
+        try:
+            out = compiled(*args)
+            if key in self._unverified:      # its first run: wait for it to succeed
+                jax.block_until_ready(out)
+                self._unverified.discard(key)
+            return out
+        except (TypeError, ValueError) as e:
+            # Arguments unlike the warm-up's. Checked before the program runs, so
+            # nothing was donated yet.
+            logger.warning("%s: the warm-up's program rejects these arguments (%s); "
+                           "using the jit from now on", key, str(e)[:300])
+            del self._programs[key]
+            return jitted(*jit_args)
+        except jax.errors.JaxRuntimeError as e:
+            if key not in self._unverified:
+                raise
+            self._replace_program(key, str(e))
+        if key[0] == "step":     # the pool was donated to the failed run
+            raise KVCacheLostError(f"the KV pool was donated to {key}'s failed run and "
+                                   "is allocated anew")
+        return self._call(key, args, jitted, jit_args)
+
+    def _replace_program(self, key: tuple, reason: str) -> None:
+        """A program read from a file failed its first run: drop its store file and
+        compile it again (a step's pool, donated to that run, is allocated anew)."""
+        self._unverified.discard(key)
+        if key[0] == "step":
+            self.kv_caches = self._allocate_pool()
+            program = self._step_program(*key[1:])
+        else:
+            program = self._sample_program(key[1], key[2])
+        if self.store is not None:
+            self.store.evict(self.store.key(program.name, program.args), reason)
+        else:
+            logger.warning("%s failed its first run (%s); compiling it again", key,
+                           reason[:200])
+        queue = executable_store.CompileQueue(self.store, 1)
+        queue.submit([program])
+        self._keep(queue.results())
 
     def execute_model(self, scheduler_output, requests: dict,
                       fallback_seeds: dict) -> StepHandle | None:
@@ -424,12 +471,13 @@ class ModelRunner:
         shapes = self.plan.all_shapes()
         programs = [self._step_program(*shape, kv_caches) for shape in shapes]
         for s in sorted({s for _, s, _ in shapes}):
-            logits = self._dummy_logits(s)
-            md = dummy_metadata(s)
-            programs += [executable_store.Program(
-                ("sample", s, flags), (logits, md, self._token_buf), self._sample,
-                (logits, md, flags, self._token_buf)) for flags in warm_up_variants()]
+            programs += [self._sample_program(s, flags) for flags in warm_up_variants()]
         return programs
+
+    def _sample_program(self, s: int, flags) -> executable_store.Program:
+        logits, md = self._dummy_logits(s), dummy_metadata(s)
+        return executable_store.Program(("sample", s, flags), (logits, md, self._token_buf),
+                                        self._sample, (logits, md, flags, self._token_buf))
 
     def warm_up(self) -> float:
         """Have every bucket's program (model step and each sampler variant) compiled,
@@ -441,7 +489,7 @@ class ModelRunner:
                     if p.name not in self._programs and p.name not in queue]
         queue.submit(programs)
         loaded = queue.results()
-        self._programs.update((name, x.compiled) for name, x in loaded.items())
+        self._keep(loaded)
         t_ready = time.perf_counter()
         gpu = self.mesh.local_devices[0].platform == "gpu"
         if gpu and self.config.parallel.num_processes == 1:
@@ -458,19 +506,22 @@ class ModelRunner:
         """Run every warmed-up program once on padding inputs (no KV slot written, no
         sequence read). A program's first run on a GPU loads its kernels and builds
         its CUDA graphs, here rather than in the first requests' steps, as vLLM's
-        dummy runs do. It costs 1.0-1.5 s of an 8B start on the H200; its gain on the
-        first requests was not separated (the 2.4 s first token of a fresh server at
-        rate inf was the benchmark client's). Multi-host runs skip it: every process
-        would have to run the same programs in step."""
+        dummy runs do; a program read from a file that fails here is compiled again
+        (`_call`). It costs 1.0-1.5 s of an 8B start on the H200. Multi-host runs
+        skip it: every process would have to run the same programs in step."""
         out = None
-        for key, program in sorted(self._programs.items(), key=lambda kv: str(kv[0])):
+        for key in sorted(self._programs, key=str):
             if key[0] == "step":
                 _, t, s, decode_only = key
-                args = self._step_args(self._dummy_arrays(t, s), decode_only)
-                out, self.kv_caches = program(*args)
+                try:
+                    out = self._launch(self._dummy_arrays(t, s), decode_only)
+                except KVCacheLostError:      # replaced; the pool holds nothing yet
+                    out = self._launch(self._dummy_arrays(t, s), decode_only)
             elif key[0] == "sample":
-                out = program(self._dummy_logits(key[1]), dummy_metadata(key[1]),
-                              self._token_buf)
+                logits, md = self._dummy_logits(key[1]), dummy_metadata(key[1])
+                out, self._token_buf = self._call(key, (logits, md, self._token_buf),
+                                                  self._sample,
+                                                  (logits, md, key[2], self._token_buf))
         jax.block_until_ready((out, self.kv_caches))
 
     # ------------------------------------------------------------ swap
