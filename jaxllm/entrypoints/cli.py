@@ -256,8 +256,7 @@ def cmd_serve(args) -> int:
         from jaxllm.engine.core_client import spawn_engine
         spawned = spawn_engine(config)
     from jaxllm.entrypoints.openai.api_server import run_server
-    run_server(config, spawned=spawned, started=getattr(args, "started", None))
-    return 0
+    return run_server(config, spawned=spawned, started=getattr(args, "started", None))
 
 
 def cmd_generate(args) -> int:

@@ -43,9 +43,16 @@ from jaxllm.metrics import StatLogger
 logger = logging.getLogger(__name__)
 
 
+# Once the engine died: seconds for the answers in flight to go out before the exit.
+DEAD_ENGINE_GRACE_S = 1.0
+
+
 def build_app(engine: AsyncLLMEngine | MPAsyncLLMEngine, config: EngineConfig, *,
-              log_stats_interval: float = 5.0) -> Starlette:
-    """The app: routes, OpenAI-shaped errors, --api-key on /v1, the stats log."""
+              log_stats_interval: float = 5.0,
+              on_engine_dead: Callable[[], None] | None = None) -> Starlette:
+    """The app: routes, OpenAI-shaped errors, --api-key on /v1, the stats log.
+    `on_engine_dead`: called once the engine has died (run_server stops the server
+    then, so that a supervisor restarts it)."""
     llm = engine.engine   # an LLMEngine, or the EngineInfo an engine process sent
     # An engine thread decodes with its tokenizer; the event loop gets its own copy,
     # since a Rust tokenizer used from two threads can fail with "Already borrowed".
@@ -102,11 +109,14 @@ def build_app(engine: AsyncLLMEngine | MPAsyncLLMEngine, config: EngineConfig, *
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        task = asyncio.create_task(StatLogger(engine.metrics, log_stats_interval).run())
+        tasks = [asyncio.create_task(StatLogger(engine.metrics, log_stats_interval).run())]
+        if on_engine_dead is not None:
+            tasks.append(asyncio.create_task(_watch_engine(engine, on_engine_dead)))
         try:
             yield
         finally:
-            task.cancel()
+            for task in tasks:
+                task.cancel()
 
     routes = [
         json_route("/v1/chat/completions", ChatCompletionRequest, chat.create),
@@ -125,9 +135,21 @@ def build_app(engine: AsyncLLMEngine | MPAsyncLLMEngine, config: EngineConfig, *
                      exception_handlers=EXCEPTION_HANDLERS)
 
 
+async def _watch_engine(engine, on_dead: Callable[[], None]) -> None:
+    """Call `on_dead` once the engine is dead and the answers in flight (each request
+    got its 5xx when the engine died) had time to go out."""
+    while not engine.is_dead:
+        await asyncio.sleep(0.2)
+    logger.error("the engine is dead (%s): the server stops", engine.dead_error)
+    await asyncio.sleep(DEAD_ENGINE_GRACE_S)
+    on_dead()
+
+
 def run_server(config: EngineConfig, *, log_stats_interval: float = 5.0,
-               spawned: SpawnedEngine | None = None, started: float | None = None) -> None:
-    """Build the engine, then serve on config.server.host:port until stopped.
+               spawned: SpawnedEngine | None = None, started: float | None = None) -> int:
+    """Build the engine, then serve on config.server.host:port until stopped. Returns
+    the exit status: 0 when stopped, 1 when the engine died (as vLLM's server exits,
+    so that a supervisor or a liveness probe brings it back).
 
     spawned: the engine process, if the caller started it already (`jaxllm serve`
     does, before importing this module); started: time.perf_counter() at the launch,
@@ -149,8 +171,14 @@ def run_server(config: EngineConfig, *, log_stats_interval: float = 5.0,
         engine = MPAsyncLLMEngine(config, spawned=spawned)
         timeline.mark("engine_wait_s", time.perf_counter() - engine.ready_message_s)
         timeline.mark("ready_message_s")
+    server = None
+
+    def stop() -> None:
+        server.should_exit = True
+
     try:
-        app = build_app(engine, config, log_stats_interval=log_stats_interval)
+        app = build_app(engine, config, log_stats_interval=log_stats_interval,
+                        on_engine_dead=stop)
         # Open streams get a few seconds to finish on Ctrl-C, then are cut.
         server = _Server(uvicorn.Config(app, host=config.server.host, port=config.server.port,
                                         log_level="info", timeout_graceful_shutdown=5),
@@ -162,6 +190,7 @@ def run_server(config: EngineConfig, *, log_stats_interval: float = 5.0,
             pass
     finally:
         engine.shutdown()
+    return 1 if engine.is_dead else 0
 
 
 class _Timeline:

@@ -9,6 +9,8 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from jaxllm.engine.async_engine import EngineDeadError
+
 # HTTP status -> OpenAI's error type.
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
           404: "invalid_request_error", 405: "invalid_request_error",
@@ -46,10 +48,14 @@ async def handle_http_exception(request: Request, exc: HTTPException) -> JSONRes
     return APIError(exc.status_code, str(exc.detail)).response()
 
 
+async def handle_engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
+    return engine_dead().response()
+
+
 async def handle_unexpected(request: Request, exc: Exception) -> JSONResponse:
     # Starlette re-raises after this, so uvicorn logs the traceback.
     return APIError(500, f"Internal server error: {exc!r}").response()
 
 
 EXCEPTION_HANDLERS = {APIError: handle_api_error, HTTPException: handle_http_exception,
-                      Exception: handle_unexpected}
+                      EngineDeadError: handle_engine_dead, Exception: handle_unexpected}
