@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import random
 import re
 import signal
 import subprocess
@@ -18,10 +17,10 @@ import httpx
 from serve_process import follow_stderr, wait_for_url
 from server_helpers import MODEL
 
+from jaxllm.benchmarks.mixed_load import mixed_load
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SERVE = "import sys\nfrom jaxllm.entrypoints.cli import main\nsys.exit(main(sys.argv[1:]))"
-WORDS = "the quick brown fox jumps over a lazy dog paris france sea waves hello".split()
-KINDS = ("plain", "stream", "n2", "stop", "logprobs", "chat", "disconnect")
 
 
 class Server:
@@ -54,55 +53,6 @@ class Server:
                 self.proc.wait()
 
 
-def request(kind: str, rng: random.Random) -> tuple[str, dict]:
-    # Prompts of 1 to ~200 tokens, so that steps fill every token bucket.
-    prompt = " ".join(rng.choice(WORDS) for _ in range(rng.choice((1, 3, 12, 40, 60))))
-    body = {"model": MODEL, "max_tokens": rng.randint(1, 16), "prompt": prompt}
-    if kind == "chat":
-        del body["prompt"]
-        return "/v1/chat/completions", {**body, "temperature": rng.choice((0, 0.7)),
-                                        "messages": [{"role": "user", "content": prompt}]}
-    body.update({"plain": {"temperature": 0}, "stream": {"stream": True},
-                 "disconnect": {"stream": True, "max_tokens": 16},
-                 "n2": {"n": 2, "temperature": 0.9}, "stop": {"stop": ["the", "sea"]},
-                 "logprobs": {"logprobs": 3, "temperature": 0.8}}[kind])
-    return "/v1/completions", body
-
-
-async def mixed_load(url: str, num: int, concurrency: int, seed: int) -> dict:
-    """(kind, status) -> count over `num` requests of every kind, `concurrency` at a
-    time; streamed clients of kind "disconnect" leave after 3 chunks."""
-    rng, counts = random.Random(seed), {}
-    sem = asyncio.Semaphore(concurrency)
-
-    async def one(client, i):
-        kind = KINDS[i % len(KINDS)]
-        path, body = request(kind, rng)
-        async with sem:
-            try:
-                status = await send(client, kind, path, body)
-            except httpx.HTTPError as e:
-                status = type(e).__name__
-        counts[(kind, status)] = counts.get((kind, status), 0) + 1
-
-    async def send(client, kind, path, body):
-        if body.get("stream"):
-            async with client.stream("POST", url + path, json=body) as r:
-                chunks = 0
-                async for line in r.aiter_lines():
-                    chunks += line.startswith("data: ")
-                    if kind == "disconnect" and chunks == 3:
-                        break
-                    if '"error"' in line:
-                        return "error event"
-                return r.status_code
-        return (await client.post(url + path, json=body)).status_code
-
-    async with httpx.AsyncClient(timeout=300) as client:
-        await asyncio.gather(*(one(client, i) for i in range(num)))
-    return counts
-
-
 def test_warm_restart_serves_a_mixed_load(tiny_model, tmp_path):
     """The default buckets (up to 2048 tokens, 256 sequences), two starts on one
     cache folder; after the second (programs loaded from the executable store), the
@@ -112,7 +62,7 @@ def test_warm_restart_serves_a_mixed_load(tiny_model, tmp_path):
     for start, num in enumerate((70, 140)):
         server = Server(folder, "--compilation-cache-dir", cache)
         try:
-            counts = asyncio.run(mixed_load(server.url, num, 16, seed=start))
+            counts = asyncio.run(mixed_load(server.url, MODEL, num, 16, seed=start))
             bad = {k: v for k, v in counts.items() if k[1] != 200}
             assert not bad and sum(counts.values()) == num, (counts, server.text()[-4000:])
             assert httpx.get(f"{server.url}/health").status_code == 200
