@@ -86,6 +86,7 @@ class Request:
         # Chained hashes of the full blocks of all_token_ids, filled lazily by the
         # KV cache manager. Full blocks never change, so the list only grows.
         self.block_hashes: list[int] = []
+        self.first_scheduled_time: float | None = None     # set by the engine core
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -177,7 +177,7 @@ def test_async_scheduling_matches_sync(llama):
     engine = llm.llm_engine
     assert engine.async_scheduling and not sync.llm_engine.async_scheduling
     engine.add_request("ahead", prompts[0], SamplingParams(temperature=0, max_tokens=3))
-    assert engine.step() == [] and engine._in_flight is not None   # launched, not read
+    assert engine.step() == [] and engine.engine_core._in_flight is not None   # launched, not read
     assert len(engine.step()[0].outputs[0].token_ids) == 1
     while engine.has_unfinished_requests():
         engine.step()
@@ -300,7 +300,7 @@ def test_step_deltas_rebuild_the_outputs_of_step(llama):
 
 def test_default_token_budget_follows_vllms_server_rule():
     from types import SimpleNamespace
-    from jaxllm.engine.llm_engine import default_token_budget
+    from jaxllm.executor.executor import default_token_budget
 
     def device(platform, kind, gib):
         return SimpleNamespace(platform=platform, device_kind=kind,

@@ -1,0 +1,97 @@
+"""EngineCore: the scheduler and the executor, one step at a time. No jax here.
+
+step() = schedule -> execute_model (launched, not waited for) -> update_from_output
+-> the step's sampled tokens. With async scheduling (the default) a step launches
+step N+1 before it reads back step N, so the host's scheduling and input preparation
+overlap the device; each call returns the tokens of the step the previous call
+launched. Penalties read a request's output tokens on the host, so a step holding
+such a request is read back before the next one is scheduled.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from jaxllm.engine.request import Request, RequestStatus
+from jaxllm.engine.scheduler import KVCacheLostError, Scheduler, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineCoreOutputs:
+    """One step's results: (Request, SampleResult) for each request that got a new
+    token, and prompt logprob rows by request id."""
+    sampled: list[tuple[Request, Any]] = field(default_factory=list)
+    prompt_logprobs: dict = field(default_factory=dict)
+
+
+class EngineCore:
+    """`executor`: the device side (execute_model, get_output); see executor/."""
+
+    def __init__(self, scheduler: Scheduler, executor, async_scheduling: bool = True):
+        self.scheduler = scheduler
+        self.executor = executor
+        self.async_scheduling = async_scheduling
+        self.seeds: dict[str, int] = {}     # request id -> its sampling seed
+        self._in_flight: tuple[SchedulerOutput, Any] | None = None   # launched, not read
+
+    def add_request(self, request: Request, seed: int) -> None:
+        self.seeds[request.request_id] = seed
+        self.scheduler.add_request(request)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
+        request_ids = list(request_ids)
+        self.scheduler.finish_requests(request_ids, status)
+        for rid in request_ids:
+            self.seeds.pop(rid, None)
+
+    def step(self) -> EngineCoreOutputs:
+        previous, self._in_flight = self._in_flight, None
+        outputs = EngineCoreOutputs()
+        if previous is not None and not self._can_schedule_ahead(previous[0]):
+            outputs, previous = self._update(*previous), None
+        launched = self._launch(self.scheduler.schedule())
+        if previous is not None:
+            outputs = self._update(*previous)
+        if launched is not None and self.async_scheduling:
+            self._in_flight = launched
+        elif launched is not None:
+            done = self._update(*launched)
+            outputs.sampled += done.sampled
+            outputs.prompt_logprobs.update(done.prompt_logprobs)
+        return outputs
+
+    def _can_schedule_ahead(self, so: SchedulerOutput) -> bool:
+        requests = self.scheduler.requests
+        return not any(requests[r.request_id].sampling_params.uses_penalties
+                       for r in so.scheduled if r.request_id in requests)
+
+    def _launch(self, so: SchedulerOutput):
+        if not so.scheduled:
+            return None
+        now = time.time()
+        requests = {r.request_id: self.scheduler.requests[r.request_id] for r in so.scheduled}
+        for req in requests.values():
+            req.first_scheduled_time = req.first_scheduled_time or now
+        try:
+            return so, self.executor.execute_model(
+                so, requests, {rid: self.seeds[rid] for rid in requests})
+        except KVCacheLostError as e:
+            logger.warning("%s: %d running requests compute their KV again", e,
+                           self.scheduler.num_running)
+            self.scheduler.recompute_all(so)
+            return None
+
+    def _update(self, so: SchedulerOutput, handle) -> EngineCoreOutputs:
+        """Read a launched step back and advance the scheduler with its tokens."""
+        results, prompt_logprobs = self.executor.get_output(handle)
+        updated = self.scheduler.update_from_output(
+            so, {rid: r.token_id for rid, r in results.items()})
+        for req in updated:
+            if req.is_finished():
+                self.seeds.pop(req.request_id, None)
+        return EngineCoreOutputs([(req, results[req.request_id]) for req in updated],
+                                 prompt_logprobs)

@@ -1,0 +1,104 @@
+"""Executor: everything device-side, behind execute_model / get_output.
+
+It joins jax.distributed (once, here), builds the mesh, loads the weights, checks the
+settings against the model, sizes and allocates the KV pool and the host swap pool,
+and has every bucket compiled (the model runner's warm-up). Multi-host followers
+drive the same public execute_model as the leader (parallel/distributed.py).
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+from jaxllm.config import EngineConfig, check_against_model, effective_max_model_len
+
+logger = logging.getLogger(__name__)
+
+
+class Executor:
+    def __init__(self, config: EngineConfig):
+        from jaxllm.models.loader import load_model
+        from jaxllm.parallel import distributed, mesh as mesh_lib
+        from jaxllm.runner.model_runner import ModelRunner
+
+        t0 = time.perf_counter()
+        self.config = config
+        mc = config.model
+        distributed.check_config(config)
+        distributed.initialize(config.parallel)     # multi-host; a no-op on one process
+        self.mesh = mesh_lib.make_mesh(config.parallel.tensor_parallel_size)
+        loaded = load_model(mc.model, mc.dtype, mc.load_format,
+                            mesh_lib.param_shardings(self.mesh), mc.seed)
+        self.weights_s = time.perf_counter() - t0
+        self.arch, self.model_path = loaded.arch, loaded.source
+        # The same checks the CLI runs before loading (context length, batch budget, TP).
+        check_against_model(config, self.arch, loaded.source)
+        self.max_model_len = effective_max_model_len(config, self.arch)
+        self.max_num_batched_tokens = _max_batched(config, self.max_model_len,
+                                                   self.mesh.local_devices[0])
+        self.runner = ModelRunner(config, loaded, self.mesh, self.max_model_len,
+                                  self.max_num_batched_tokens)
+        self.num_gpu_blocks = self.num_cpu_blocks = 0
+        self.host_pool = None
+
+    @property
+    def platform(self) -> str:
+        return self.mesh.local_devices[0].platform
+
+    def initialize_kv_cache(self) -> None:
+        """Size and allocate the KV pool (on a GPU: from the largest step's compiled
+        memory analysis) and the host swap pool."""
+        self.runner.initialize_kv_cache()
+        self.num_gpu_blocks = self.runner.num_blocks
+        self.num_cpu_blocks = _num_cpu_blocks(self.config, self.runner)
+        self.host_pool = self.runner.host_pool(self.num_cpu_blocks)
+
+    def compile_or_warm_up_model(self) -> float:
+        """Every bucket's programs compiled or loaded; returns the seconds it took."""
+        return self.runner.warm_up()
+
+    def execute_model(self, scheduler_output, requests: dict, seeds: dict):
+        """Launch one step (swaps, model, sampler) without waiting for it; a handle
+        for get_output, or None when nothing is scheduled."""
+        self.runner.swap_out(scheduler_output.blocks_to_swap_out, self.host_pool)
+        self.runner.swap_in(scheduler_output.blocks_to_swap_in, self.host_pool)
+        return self.runner.execute_model(scheduler_output, requests, seeds)
+
+    def get_output(self, handle):
+        """Wait for a launched step: (id -> SampleResult, id -> prompt logprob rows)."""
+        return self.runner.get_output(handle)
+
+
+def _max_batched(config: EngineConfig, max_model_len: int, device) -> int:
+    sc = config.scheduler
+    if sc.max_num_batched_tokens is not None:
+        return sc.max_num_batched_tokens
+    budget = default_token_budget(device)
+    return budget if sc.enable_chunked_prefill else max(max_model_len, budget)
+
+
+def default_token_budget(device) -> int:
+    """vLLM's default step budget for its server: 8192 tokens on a GPU with >= 70 GiB
+    (not an A100, where vLLM measured a larger budget to be slower), else 2048. Read
+    from jax's allocator limit, by default 75% of the device (104.9 GiB on the H200),
+    so the bar is 75% of 70 GiB. vLLM's offline LLM takes 16384 there; one default
+    here keeps one set of compiled shapes for both."""
+    if device.platform != "gpu" or "a100" in device.device_kind.lower():
+        return 2048
+    stats = device.memory_stats() or {}
+    return 8192 if stats.get("bytes_limit", 0) >= 0.75 * 70 * (1 << 30) else 2048
+
+
+def _num_cpu_blocks(config: EngineConfig, runner) -> int:
+    if config.scheduler.preemption_mode != "swap" or config.cache.swap_space == 0:
+        return 0
+    from jaxllm.parallel.mesh import pool_kv_heads
+    from jaxllm.runner.kv_cache import bytes_per_block, cache_dtype
+    arch = runner.arch
+    per_block = bytes_per_block(arch, config.cache.block_size,
+                                cache_dtype(config.cache, runner.model_dtype))
+    # The host copy mirrors the pool, which holds one head per device when devices
+    # outnumber KV heads.
+    per_block = per_block * pool_kv_heads(arch.num_kv_heads, runner.mesh.size) \
+        // arch.num_kv_heads
+    return int(config.cache.swap_space * (1 << 30)) // per_block
