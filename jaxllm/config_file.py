@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import difflib
 import os
-import struct
 import typing
 
 from jaxllm.config import (FLAT_KEYS, SECTIONS, ConfigError, EngineConfig,
@@ -157,96 +156,10 @@ def build_config(config_path: str | None = None, flags: dict | None = None,
 
 # ------------------------------------------------------------- model-aware checks
 
-def read_model_arch(model: str | None, load_format: str = "auto"):
-    """(ArchConfig, source) from config.json or GGUF metadata, reading no weights."""
-    from jaxllm.models.gguf_loader import default_model_path
-    from jaxllm.models.loader import CheckpointError, read_hf_config
-    from jaxllm.models.registry import UnsupportedModelError, arch_from_hf_config
-    try:
-        path = model or default_model_path()
-        if path.endswith(".gguf") or load_format == "gguf":
-            return arch_from_hf_config(gguf_hf_config(path), path), path
-        if not os.path.isdir(path):
-            raise CheckpointError("no such folder")
-        source = os.path.join(path, "config.json")
-        return arch_from_hf_config(read_hf_config(path), source), source
-    except (CheckpointError, UnsupportedModelError, FileNotFoundError) as e:
-        raise ConfigError(f"model={model!r}: {e}; give an HF model folder (config.json + "
-                          "*.safetensors) or a .gguf file") from None
-
-
-# GGUF value type -> struct format (8 string, 9 array are read by hand).
-_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?",
-                 10: "Q", 11: "q", 12: "d"}
-
-
-def read_gguf_header(path: str) -> tuple[dict, list[str]]:
-    """(metadata, tensor names) of a little-endian GGUF v2/v3 file, without the
-    `gguf` package: its reader builds a numpy view per vocabulary string, which takes
-    seconds for a 49k-token vocabulary; this takes milliseconds."""
-    import mmap
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        pos = 0
-
-        def take(fmt):
-            nonlocal pos
-            (value,) = struct.unpack_from("<" + fmt, buf, pos)
-            pos += struct.calcsize(fmt)
-            return value
-
-        def string():
-            nonlocal pos
-            n = take("Q")
-            pos += n
-            return bytes(buf[pos - n:pos]).decode("utf-8", errors="replace")
-
-        def value(kind):
-            if kind == 8:
-                return string()
-            if kind == 9:
-                item, count = take("I"), take("Q")
-                return [value(item) for _ in range(count)]
-            return take(_GGUF_SCALARS[kind])
-
-        magic, version = struct.unpack_from("<4sI", buf, 0)
-        if magic != b"GGUF" or version not in (2, 3):
-            raise ValueError(f"{path}: not a GGUF v2/v3 file")
-        pos = 8
-        n_tensors, n_kv = take("Q"), take("Q")
-        meta = {}
-        for _ in range(n_kv):
-            key = string()
-            meta[key] = value(take("I"))
-        names = []
-        for _ in range(n_tensors):
-            names.append(string())
-            n_dims = take("I")
-            pos += 8 * n_dims + 4 + 8          # dims, type, offset
-    return meta, names
-
-
-def gguf_hf_config(path: str) -> dict:
-    """The HF-style config of a GGUF file, as `GGUFFile.hf_config` gives it."""
-    from types import SimpleNamespace
-    from jaxllm.models.gguf_loader import _GGUF_ARCH, GGUFFile, _hf_name
-    from jaxllm.models.loader import CheckpointError
-    from jaxllm.models.registry import UnsupportedModelError
-    try:
-        meta, names = read_gguf_header(path)
-    except (OSError, ValueError, KeyError, IndexError, struct.error) as e:
-        raise CheckpointError(f"{path}: not a readable GGUF file ({e})") from None
-    arch = meta.get("general.architecture")
-    if arch not in _GGUF_ARCH:
-        raise UnsupportedModelError(f"{path}: GGUF architecture {arch!r} is not supported "
-                                    f"(jaxllm reads {', '.join(sorted(_GGUF_ARCH))})")
-    header = SimpleNamespace(meta=meta, arch_name=arch,
-                             tensors={_hf_name(n) for n in names} - {None})
-    return GGUFFile.hf_config(header)
-
-
 def check_model(config: EngineConfig):
     """The checks against the model's shape (config.json or GGUF metadata; no jax).
     Returns the ArchConfig."""
+    from jaxllm.models.info import read_model_arch
     arch, source = read_model_arch(config.model.model, config.model.load_format)
     check_against_model(config, arch, source)
     return arch

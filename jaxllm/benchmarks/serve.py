@@ -87,7 +87,7 @@ class RequestResult:
 
 
 def run(args) -> int:
-    from jaxllm.config_file import read_model_arch
+    from jaxllm.models.info import read_model_arch
     base = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     model = args.model or _first_model(base, headers)

@@ -5,36 +5,13 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
-import struct
 
 import numpy as np
 
+from jaxllm.models.gguf_header import (check_gguf_arch, hf_config_from_meta,
+                                       hf_tensor_name, load_gguf_header)
+
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-# GGUF general.architecture -> HF architecture name.
-_GGUF_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-              "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-
-# GGUF tensor name pieces -> HF names ({i} = layer).
-_GGUF_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-    "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
-    "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
-    "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
-    "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
-    "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
-    "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
-    "blk.{i}.attn_q.bias": "model.layers.{i}.self_attn.q_proj.bias",
-    "blk.{i}.attn_k.bias": "model.layers.{i}.self_attn.k_proj.bias",
-    "blk.{i}.attn_v.bias": "model.layers.{i}.self_attn.v_proj.bias",
-    "blk.{i}.attn_q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
-    "blk.{i}.attn_k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
-    "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
-    "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
-    "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
-}
 
 
 def default_model_path() -> str:
@@ -58,15 +35,6 @@ def open_gguf(path: str) -> "GGUFFile":
     return GGUFFile(path)
 
 
-def _hf_name(gguf_name: str) -> str | None:
-    parts = gguf_name.split(".")
-    if parts[0] == "blk":
-        key = ".".join(["blk", "{i}", *parts[2:]])
-        target = _GGUF_NAMES.get(key)
-        return target.format(i=parts[1]) if target else None
-    return _GGUF_NAMES.get(gguf_name)
-
-
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's conversion-time Q/K row permutation (interleaved rotary pairs
     back to HF's rotate-half halves)."""
@@ -88,14 +56,10 @@ class GGUFFile:
         self.path = path
         self.meta = {k: self._field(k) for k in self.reader.fields}
         self.arch_name = self.meta.get("general.architecture")
-        if self.arch_name not in _GGUF_ARCH:
-            from jaxllm.models.registry import UnsupportedModelError
-            raise UnsupportedModelError(
-                f"{path}: GGUF architecture {self.arch_name!r} is not supported "
-                f"(jaxllm reads {', '.join(sorted(_GGUF_ARCH))})")
+        check_gguf_arch(path, self.arch_name)
         self.tensors = {}
         for t in self.reader.tensors:
-            name = _hf_name(t.name)
+            name = hf_tensor_name(t.name)
             if name is not None:
                 self.tensors[name] = t
 
@@ -110,29 +74,7 @@ class GGUFFile:
             return None
 
     def hf_config(self) -> dict:
-        m, a = self.meta, self.arch_name
-        heads = m[f"{a}.attention.head_count"]
-        hidden = m[f"{a}.embedding_length"]
-        cfg = {
-            "architectures": [_GGUF_ARCH[a]],
-            "vocab_size": m.get(f"{a}.vocab_size") or len(m["tokenizer.ggml.tokens"]),
-            "hidden_size": hidden,
-            "num_hidden_layers": m[f"{a}.block_count"],
-            "num_attention_heads": heads,
-            "num_key_value_heads": m.get(f"{a}.attention.head_count_kv", heads),
-            "head_dim": m.get(f"{a}.attention.key_length") or
-            m.get(f"{a}.rope.dimension_count") or hidden // heads,
-            "intermediate_size": m[f"{a}.feed_forward_length"],
-            "rms_norm_eps": m.get(f"{a}.attention.layer_norm_rms_epsilon", 1e-6),
-            "rope_theta": m.get(f"{a}.rope.freq_base", 10000.0),
-            "max_position_embeddings": m.get(f"{a}.context_length", 2048),
-            "tie_word_embeddings": "lm_head.weight" not in self.tensors,
-            "bos_token_id": m.get("tokenizer.ggml.bos_token_id"),
-            "eos_token_id": m.get("tokenizer.ggml.eos_token_id"),
-        }
-        if a == "qwen2":
-            cfg["attention_bias"] = True
-        return cfg
+        return hf_config_from_meta(self.meta, self.arch_name, self.tensors)
 
     def location(self, name: str) -> str:
         return self.path
@@ -162,12 +104,7 @@ def gguf_tokenizer(path: str):
     """The tokenizer of a GGUF file from its header alone: milliseconds, where the
     `gguf` reader that the weights need takes seconds to open, so the engine loads
     the tokenizer on a thread of its own while the weights load."""
-    from jaxllm.config_file import read_gguf_header
-    from jaxllm.models.loader import CheckpointError
-    try:
-        meta, _ = read_gguf_header(path)
-    except (OSError, ValueError, KeyError, IndexError, struct.error) as e:
-        raise CheckpointError(f"{path}: not a readable GGUF file ({e})") from None
+    meta, _ = load_gguf_header(path)
     return tokenizer_from_meta(meta)
 
 

@@ -134,7 +134,7 @@ def test_gguf_header_reader_matches_the_loader(tmp_path):
     """The launcher's quick GGUF metadata read gives what GGUFFile gives."""
     import gguf
     import numpy as np
-    from jaxllm.config_file import gguf_hf_config, read_gguf_header
+    from jaxllm.models.gguf_header import gguf_hf_config, read_gguf_header
     from jaxllm.models.gguf_loader import GGUFFile
     path = str(tmp_path / "tiny.gguf")
     w = gguf.GGUFWriter(path, "llama")

@@ -1,0 +1,28 @@
+"""Model facts for the launcher: the ArchConfig of a model path, read from its
+config.json or GGUF header, reading no weights and importing no jax."""
+from __future__ import annotations
+
+import os
+
+from jaxllm.config import ConfigError
+from jaxllm.models.gguf_header import gguf_hf_config
+from jaxllm.models.gguf_loader import default_model_path
+from jaxllm.models.loader import CheckpointError, read_hf_config
+from jaxllm.models.registry import ArchConfig, UnsupportedModelError, arch_from_hf_config
+
+
+def read_model_arch(model: str | None, load_format: str = "auto") -> tuple[ArchConfig, str]:
+    """(ArchConfig, source) of `model` (an HF folder or a .gguf file; None = the
+    default model), `source` being the file the shape came from. A model that cannot
+    be read raises ConfigError naming `model=`."""
+    try:
+        path = model or default_model_path()
+        if path.endswith(".gguf") or load_format == "gguf":
+            return arch_from_hf_config(gguf_hf_config(path), path), path
+        if not os.path.isdir(path):
+            raise CheckpointError("no such folder")
+        source = os.path.join(path, "config.json")
+        return arch_from_hf_config(read_hf_config(path), source), source
+    except (CheckpointError, UnsupportedModelError, FileNotFoundError) as e:
+        raise ConfigError(f"model={model!r}: {e}; give an HF model folder (config.json + "
+                          "*.safetensors) or a .gguf file") from None
