@@ -220,8 +220,8 @@ def launch_config(args, engine_process: bool = False):
     arch = config_file.prepare_launch(config)
     if config.parallel.process_id != 0:
         # Multi-host: processes other than 0 only follow the steps process 0 sends.
-        from jaxllm.parallel import distributed
-        distributed.run_follower(config)
+        from jaxllm.executor.executor import run_follower
+        run_follower(config)
         raise SystemExit(0)
     return config, arch
 

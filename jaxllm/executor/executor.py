@@ -40,6 +40,7 @@ class Executor:
                                   self.max_num_batched_tokens)
         self.num_gpu_blocks = self.num_cpu_blocks = 0
         self.host_pool = None
+        self.leader = distributed.leader()   # multi-host: process 0 feeds the followers
 
     @property
     def platform(self) -> str:
@@ -60,6 +61,8 @@ class Executor:
     def execute_model(self, scheduler_output, requests: dict, seeds: dict):
         """Launch one step (swaps, model, sampler) without waiting for it; a handle
         for get_output, or None when nothing is scheduled."""
+        if self.leader is not None and scheduler_output.scheduled:
+            self.leader.send("execute", scheduler_output, requests, seeds)
         self.runner.swap_out(scheduler_output.blocks_to_swap_out, self.host_pool)
         self.runner.swap_in(scheduler_output.blocks_to_swap_in, self.host_pool)
         return self.runner.execute_model(scheduler_output, requests, seeds)
@@ -67,6 +70,17 @@ class Executor:
     def get_output(self, handle):
         """Wait for a launched step: (id -> SampleResult, id -> prompt logprob rows)."""
         return self.runner.get_output(handle)
+
+
+def run_follower(config: EngineConfig) -> int:
+    """A multi-host follower's whole life: build the device side as the leader does,
+    then replay the leader's steps. Returns the number of steps run."""
+    from jaxllm.parallel import distributed
+    executor = Executor(config)
+    executor.initialize_kv_cache()
+    if not config.enforce_eager:
+        executor.compile_or_warm_up_model()
+    return distributed.follow(executor)
 
 
 def _max_batched(config: EngineConfig, max_model_len: int, device) -> int:

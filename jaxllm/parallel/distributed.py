@@ -1,11 +1,12 @@
 """Multi-host serving through JAX's multi-controller runtime.
 
 Every process runs the same program over one Mesh spanning them all
-(`jax.distributed`). Process 0, the leader, runs the scheduler and the server; before
-each device call of a step it broadcasts that call's host inputs (the padded numpy
-arrays of `ModelRunner.prepare_inputs`, then the sampling metadata), and every other
-process, a follower, makes the same jitted call with them. All processes thus launch
-the same programs, and so the same collectives, in the same order.
+(`jax.distributed`). Process 0, the leader, runs the scheduler and the server; its
+executor broadcasts each step's `execute_model` arguments (the SchedulerOutput, its
+requests and their seeds) before running it, and every other process, a follower,
+calls its own executor's `execute_model` with them. Input preparation is
+deterministic, so all processes launch the same programs, and so the same
+collectives, in the same order.
 
 Start-up (loading, KV pool, warm-up) is the same program on every process already.
 How to launch: docs/multi_host.md.
@@ -61,7 +62,7 @@ def agree_min(value: int) -> int:
 
 
 class Leader:
-    """Process 0's side: sends each device call's host inputs to the followers."""
+    """Process 0's side: sends each step's execute_model arguments to the followers."""
 
     def __init__(self):
         self.closed = False
@@ -82,27 +83,18 @@ def leader() -> Leader | None:
     return Leader() if jax.process_count() > 1 and is_leader() else None
 
 
-def follow(runner) -> int:
-    """Replay the leader's device calls on `runner` (a ModelRunner built from the same
-    config) until it stops. Returns the number of steps run."""
-    logits, steps = None, 0
+def follow(executor) -> int:
+    """Replay the leader's steps on `executor` (built from the same config) until it
+    stops. Returns the number of steps run."""
+    steps = 0
     while True:
         kind, payload = pickle.loads(_broadcast(None))
         if kind == "stop":
             return steps
-        if kind == "step":                      # (arrays, decode_only)
-            logits = runner._launch(*payload)
-            steps += 1
-        elif kind == "sample":                  # (SamplingMetadata, SamplerFlags)
-            runner._sample_step(logits, *payload)
-        else:
+        if kind != "execute":
             raise RuntimeError(f"unknown message {kind!r} from the leader")
-
-
-def run_follower(config: EngineConfig) -> int:
-    """A follower process's whole life: build the engine like the leader, then follow."""
-    from jaxllm.engine.llm_engine import LLMEngine
-    return follow(LLMEngine(config).runner)
+        executor.execute_model(*payload)      # (SchedulerOutput, requests, seeds)
+        steps += 1
 
 
 def _broadcast(data: bytes | None) -> bytes:

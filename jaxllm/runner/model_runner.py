@@ -118,7 +118,6 @@ class ModelRunner:
         # Compiled on first use, for the rare steps that carry prompt_logprobs requests.
         self._step_prompt = jax.jit(
             functools.partial(_forward, self.graphdef, treedef, self.spec), donate_argnums=(1,))
-        self.leader = distributed.leader()   # multi-host: process 0 feeds the followers
         self._sample = jax.jit(_sample_into, static_argnums=(2,))
         # The warm-up's compiled programs, called directly: ("step", T, S, decode_only)
         # and ("sample", S, flags). Anything else goes through the jits above.
@@ -364,8 +363,6 @@ class ModelRunner:
         if targets is not None:
             logits, prompt_out = self._launch(arrays, decode_only, targets)
         else:
-            if self.leader is not None:             # multi-host: followers replay it
-                self.leader.send("step", arrays, decode_only)
             logits = self._launch(arrays, decode_only)
         reqs = [requests[r.request_id] for r in scheduled]
         md, flags = SamplingMetadata.from_params(
@@ -374,8 +371,6 @@ class ModelRunner:
             rows, self.arch.vocab_size,
             fallback_seeds=[fallback_seeds[q.request_id] for q in reqs],
             eos_token_ids=self._eos_ids())
-        if self.leader is not None:
-            self.leader.send("sample", md, flags)
         out = self._sample_step(logits, md, flags)
         self._prev_rows = {r.request_id: i for i, r in enumerate(scheduled) if r.do_sample}
         for x in out:                       # start the copies back now

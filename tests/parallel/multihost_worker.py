@@ -16,12 +16,12 @@ def main(port: str, process_id: str, folder: str, tp: str, out: str) -> None:
     pid = int(process_id)
     llm = LLM(folder, tensor_parallel_size=int(tp), coordinator_address=f"127.0.0.1:{port}",
               num_processes=2, process_id=pid, **ENGINE)
-    runner = llm.llm_engine.runner
+    runner, executor = llm.llm_engine.runner, llm.llm_engine.executor
     if pid != 0:
-        print(f"follower ran {distributed.follow(runner)} steps")
+        print(f"follower ran {distributed.follow(executor)} steps")
         return
     tokens, logits = generate_greedy(llm)
-    runner.leader.close()
+    executor.leader.close()
     np.savez(out, tokens=np.array(tokens), num_devices=len(runner.mesh.devices.flat),
              **{f"logits{i}": x for i, x in enumerate(logits)})
 

@@ -87,7 +87,7 @@ def _expected_spec(name: str, arch, tp: int) -> P:
 @pytest.mark.parametrize("arch", ARCHS)
 def test_weight_and_kv_pool_shardings(run, arch, tp):
     engine = run(arch, tp).llm.llm_engine
-    mesh, a = engine.mesh, engine.arch
+    mesh, a = engine.executor.mesh, engine.arch
     assert mesh.shape == {"tp": tp}
     flat = nnx.to_flat_state(engine.runner.state)
     assert len(flat) > 0
