@@ -69,8 +69,8 @@ class Attention(nnx.Module):
         inv_freq = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         if tp_size(spec.mesh) <= 1:
             # One [T, Hq + 2 Hkv, D] array, RoPE on its q and k heads: XLA writes it in
-            # one fusion and the decode kernels read it in place (measured: three
-            # fusions per layer before, for q, k and v).
+            # one fusion and the decode kernels read it in place; separate q, k and v
+            # arrays take three fusions per layer.
             qkv = jnp.concatenate([q, k, v], axis=1)
             qkv = apply_rotary(qkv, positions, inv_freq, num_rotated=q.shape[1] + k.shape[1])
             out, k_cache, v_cache = paged_attention_qkv(qkv, k_cache, v_cache, md, spec,

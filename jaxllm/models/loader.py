@@ -154,7 +154,7 @@ def dummy_state(arch: ArchConfig, dtype, shardings: Callable, seed: int = 0):
     Like vLLM's dummy weights: matrices uniform in +-0.035 (std ~0.02), norm weights
     1, biases 0. One small generator is compiled per distinct (shape, dtype,
     sharding) -- about ten for a Llama -- instead of one program running every
-    initializer of the model, which took minutes to compile for an 8B model."""
+    initializer of the model, which takes minutes to compile for an 8B model."""
     import jax
     from flax import nnx
     graphdef, abstract = abstract_model(arch, dtype)

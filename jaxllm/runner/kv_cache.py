@@ -94,8 +94,8 @@ def plan_num_blocks(arch: ArchConfig, cache: CacheConfig, model_dtype, max_model
 def stable_block_count(num_blocks: int) -> int:
     """Round a measured block count down to a coarse step (at most ~1/32 of it: 1024
     blocks for an 8B model on an H200). The measured peak differs by a few hundred MB
-    from one start to the next; the pool's size is part of every compiled step, so
-    without this a restart found none of them in the persistent compile cache."""
+    from one start to the next; the pool's size is part of every compiled step, so an
+    unrounded count makes a restart miss every cached program."""
     if num_blocks < 64:
         return num_blocks
     step = 1 << ((num_blocks // 32).bit_length() - 1)
@@ -139,7 +139,7 @@ def activation_bound(arch: ArchConfig, num_tokens: int, num_seqs: int, dtype, tp
     the MLP's gate, up and activation (3 x intermediate), q, k, v and the attention
     output (twice); per sequence f32 logits and their softmax; then x1.5 for what
     XLA keeps alive across layers. Llama-3.1-8B at T=8192, S=256: 2.1 GB, against
-    the 1.35 GiB activation peak the profiling step measured on the H200.
+    the measured 1.35 GiB activation peak of that step on the H200.
     `gather_block_size`: the reference attention's block size (it gathers one block
     column of K and V per token, in f32); 0 for the Pallas kernels."""
     item = jnp.dtype(dtype).itemsize

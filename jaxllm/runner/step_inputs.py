@@ -20,9 +20,10 @@ _INPUT_FIELDS = ("input_ids", "positions", "slot_mapping", "block_tables", "seq_
 class StepInputs:
     """A step's int32 inputs packed in ONE device buffer (fields in _INPUT_FIELDS order).
 
-    One transfer per step instead of seven, and one new buffer per step. Measured on
-    the H200 (scripts/step_dispatch.py, 32 layers): 2.2 ms of host time per launch
-    with seven new input buffers against 0.9 ms with unchanged ones. Likely why: XLA
+    One transfer per step instead of seven, and one new buffer per step. On the H200,
+    a 32-layer model with tiny dims (the 8B step's buffer count) took 2.2 ms of host
+    time per launch with seven new input buffers against 0.9 ms with unchanged ones;
+    packing took the 8B step's dispatch from 2.80 to 2.26 ms. Likely why: XLA
     runs the step as CUDA graphs and updates each node that reads a buffer whose
     address changed (with separate inputs, every layer's RoPE, KV-write and attention
     nodes); packed, only the few small copies that unpack it read the new buffer."""
