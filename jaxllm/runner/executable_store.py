@@ -44,9 +44,6 @@ import logging
 import os
 import pickle
 import threading
-import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import jax
@@ -264,27 +261,6 @@ class ExecutableStore:
         return removed
 
 
-_HIT_EVENT = "/jax/compilation_cache/cache_hits"
-_hits = threading.local()      # jax records the event on the compiling thread
-_listening = False
-
-
-def _count_hit(event: str, **_) -> None:
-    if event == _HIT_EVENT:
-        _hits.n = getattr(_hits, "n", 0) + 1
-
-
-def compile_fresh_or_cached(lowered) -> tuple[Any, bool]:
-    """(lowered.compile(), whether jax's persistent cache served it)."""
-    global _listening
-    if not _listening:
-        _listening = True
-        jax.monitoring.register_event_listener(_count_hit)
-    before = getattr(_hits, "n", 0)
-    compiled = lowered.compile()
-    return compiled, getattr(_hits, "n", 0) > before
-
-
 def _unwrap(data: bytes) -> bytes:
     """The payload of a store file, after checking its header and digest."""
     head = len(_MAGIC)
@@ -294,94 +270,3 @@ def _unwrap(data: bytes) -> bytes:
     if hashlib.sha256(payload).hexdigest().encode() != digest:
         raise ValueError("digest mismatch (damaged file)")
     return payload
-
-
-@dataclass
-class Program:
-    """One program of the warm-up. `name`: how the runner finds it at dispatch (with
-    its static arguments); `args`: the traced arguments its store key covers (arrays
-    or ShapeDtypeStructs; the step's weights are in the store's static part);
-    `jitted(*call_args)`: the call it compiles."""
-    name: tuple
-    args: tuple
-    jitted: Any                     # a jax.jit function
-    call_args: tuple
-
-    def trace(self):
-        return self.jitted.trace(*self.call_args)
-
-    def lower(self):
-        return self.trace().lower()
-
-
-class CompileQueue:
-    """Programs made ready while the caller goes on: each is loaded from the store,
-    else lowered on the calling thread (Python, under the GIL) and its XLA compile
-    handed at once to one of `compile_workers` threads (XLA compiles outside the
-    GIL), so compiling overlaps the next programs' lowering. Lowering keeps the
-    given order, so the programs, and jax's persistent-cache keys, are the same on
-    every start. Each compiled program is saved to the store."""
-
-    def __init__(self, store: ExecutableStore | None, compile_workers: int,
-                 load_workers: int = 1):
-        self.store = store
-        self.load_workers = load_workers
-        self._pool = ThreadPoolExecutor(max(1, compile_workers))
-        self._futures: dict[tuple, Future] = {}
-        self.num_lowered, self.t_lower = 0, 0.0     # and the seconds spent at it
-
-    def __contains__(self, name: tuple) -> bool:
-        return name in self._futures
-
-    def submit(self, programs: list[Program]) -> None:
-        """Start every program not already queued (by name; the first of a name wins);
-        returns once all are lowered.
-
-        Loading runs on `load_workers` threads: on the CPU backend deserializing holds
-        the GIL (measured: a second thread made 4 loads slower, 5.3 s against 4.4 s)."""
-        unique: dict[tuple, Program] = {}
-        for p in programs:
-            if p.name not in self._futures:
-                unique.setdefault(p.name, p)
-        programs = list(unique.values())
-        keys = {p.name: self.store.key(p.name, p.args) for p in programs} if self.store else {}
-        loaded = {}
-        if self.store and programs:
-            with ThreadPoolExecutor(max(1, min(self.load_workers, len(programs)))) as pool:
-                loads = pool.map(lambda p: self.store.load(keys[p.name]), programs)
-                loaded = {p.name: x for p, x in zip(programs, loads) if x is not None}
-        for p in programs:
-            if p.name in loaded:
-                self._futures[p.name] = Future()
-                self._futures[p.name].set_result(loaded[p.name])
-                continue
-            t0 = time.perf_counter()
-            lowered = p.lower()
-            self.num_lowered += 1
-            self.t_lower += time.perf_counter() - t0
-            self._futures[p.name] = self._pool.submit(self._compile, lowered, keys.get(p.name))
-
-    def _compile(self, lowered, key: str | None) -> Loaded:
-        compiled, cached = compile_fresh_or_cached(lowered)
-        loaded = Loaded(compiled, peak_bytes(compiled), from_disk=cached)
-        if self.store and not cached:       # see the module docstring
-            self.store.save(key, compiled, loaded.peak_bytes)
-        return loaded
-
-    def result(self, name: tuple) -> Loaded:
-        return self._futures[name].result()
-
-    def results(self) -> dict[tuple, Loaded]:
-        """name -> Loaded for every program queued, once all are ready; closes the
-        queue (an error of any compile is raised here)."""
-        try:
-            out = {name: future.result() for name, future in self._futures.items()}
-        finally:
-            self._pool.shutdown()
-        if self.store:
-            self.store.prune()
-        return out
-
-    def cancel(self) -> None:
-        """Drop what is not compiling yet (the programs are stale) and close."""
-        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 import logging
 import os
 import time
@@ -26,12 +25,13 @@ import numpy as np
 from flax import nnx
 
 from jaxllm.config import EngineConfig
-from jaxllm.engine.scheduler import PLACEHOLDER_TOKEN_ID, KVCacheLostError
+from jaxllm.engine.scheduler import KVCacheLostError
 from jaxllm.layers.attention import AttentionSpec
 from jaxllm.models.loader import LoadedModel
 from jaxllm.parallel import distributed, mesh as mesh_lib
-from jaxllm.runner import executable_store, kv_cache
+from jaxllm.runner import executable_store, input_batch, kv_cache
 from jaxllm.runner.buckets import BucketPlan
+from jaxllm.runner.compilation import CompilationManager, Program
 from jaxllm.runner.step_inputs import StepInputs
 from jaxllm.runner.sampler import (SamplerOutput, SamplingMetadata, compute_logprobs,
                                    dummy_metadata, sample, warm_up_variants)
@@ -119,15 +119,13 @@ class ModelRunner:
         self._step_prompt = jax.jit(
             functools.partial(_forward, self.graphdef, treedef, self.spec), donate_argnums=(1,))
         self._sample = jax.jit(_sample_into, static_argnums=(2,))
-        # The warm-up's compiled programs, called directly: ("step", T, S, decode_only)
-        # and ("sample", S, flags). Anything else goes through the jits above.
-        self._programs: dict[tuple, jax.stages.Compiled] = {}
-        # Programs loaded from a file and not run yet: their first run is checked.
-        self._unverified: set[tuple] = set()
-        # Compiles started by the KV sizing for a pool of _queue_blocks; see warm_up.
-        self._queue: executable_store.CompileQueue | None = None
-        self._queue_blocks = 0
         self.store = self._open_store(treedef)
+        # The warm-up's compiled programs, called directly; anything else goes through
+        # the jits above. Deserializing holds the GIL on the CPU backend
+        # (executable_store); on a GPU it is mostly loading kernels, so threads overlap.
+        cpu = mesh.local_devices[0].platform == "cpu"
+        self.compilation = CompilationManager(self.store, min(os.cpu_count() or 1, 16),
+                                              1 if cpu else 8, self._rebuild_program)
 
     def _open_store(self, treedef) -> executable_store.ExecutableStore | None:
         """The executable store, when a compilation cache folder is configured and
@@ -168,8 +166,11 @@ class ModelRunner:
         def step_peak(num_blocks: int) -> int | None:
             pool = kv_cache.abstract(self.arch, num_blocks, self.block_size, dtype, sharding,
                                      tp=self.mesh.size)
-            self._queue_programs(num_blocks, pool)
-            return self._queue.result(("step", t, s, False)).peak_bytes
+            programs = [self._step_program(t, s, False, pool)]
+            if not self.config.enforce_eager:
+                programs += self._warm_up_programs(pool)
+            self.compilation.queue_programs(num_blocks, programs)
+            return self.compilation.queue.result(("step", t, s, False)).peak_bytes
 
         if limit is not None and cache_cfg.num_gpu_blocks_override is None:
             report = kv_cache.fit_to_device(
@@ -186,12 +187,7 @@ class ModelRunner:
         report = dataclasses.replace(report, num_blocks=distributed.agree_min(report.num_blocks))
         self.num_blocks = report.num_blocks
         self.kv_caches = self._allocate_pool()
-        if self._queue is not None and self._queue_blocks != report.num_blocks:
-            self._queue.cancel()
-            self._queue = None
-        if self._queue is not None and self.config.enforce_eager:    # no warm-up follows
-            self._keep(self._queue.results())
-            self._queue = None
+        self.compilation.settle_queue(report.num_blocks, collect=self.config.enforce_eager)
         logger.info("KV cache: %s", report.describe(self.block_size))
         return report
 
@@ -202,34 +198,6 @@ class ModelRunner:
             kv_cache.cache_dtype(self.config.cache, self.model_dtype),
             mesh_lib.kv_cache_sharding(self.mesh, self.arch.num_kv_heads), tp=self.mesh.size)
 
-    def _keep(self, loaded: dict) -> None:
-        """Keep ready programs for dispatch; those read from a file are checked on
-        their first run."""
-        for name, x in loaded.items():
-            self._programs[name] = x.compiled
-            if x.from_disk:
-                self._unverified.add(name)
-
-    def _queue_programs(self, num_blocks: int, pool) -> None:
-        """A fresh compile queue (any earlier one is stale): the largest step on an
-        abstract `pool` of `num_blocks` first, the KV sizing's program, then unless
-        enforce_eager the warm-up's others for the same pool."""
-        if self._queue is not None:
-            self._queue.cancel()
-        self._queue, self._queue_blocks = self._compile_queue(), num_blocks
-        t, s = self.plan.token_buckets[-1], self.plan.max_seqs
-        programs = [self._step_program(t, s, False, pool)]
-        if not self.config.enforce_eager:
-            programs += self._warm_up_programs(pool)
-        self._queue.submit(programs)
-
-    def _compile_queue(self) -> executable_store.CompileQueue:
-        # Deserializing holds the GIL on the CPU backend (executable_store); on a GPU
-        # it is mostly loading kernels, so threads may overlap it.
-        cpu = self.mesh.local_devices[0].platform == "cpu"
-        return executable_store.CompileQueue(self.store, min(os.cpu_count() or 1, 16),
-                                             load_workers=1 if cpu else 8)
-
     def _device_limit(self) -> int | None:
         """The device's byte limit; None on CPU, where the pool has a configured size."""
         dev = self.mesh.local_devices[0]
@@ -238,44 +206,9 @@ class ModelRunner:
 
     # ------------------------------------------------------------ inputs
     def prepare_inputs(self, scheduled) -> tuple[dict, bool, int]:
-        """Fill host numpy buffers for one step. Returns (arrays, decode_only, rows).
-
-        Vectorized over the batch: at 256 sequences a per-sequence loop of numpy
-        calls cost milliseconds of host time per step."""
-        num_seqs = len(scheduled)
-        lens = np.fromiter((len(r.token_ids) for r in scheduled), np.int32, num_seqs)
-        num_tokens = int(lens.sum())
-        decode_only = num_tokens == num_seqs
-        t, s = self.plan.shape_for(num_tokens, num_seqs, decode_only)
-        bs = self.block_size
-        starts = np.fromiter((r.num_computed_tokens for r in scheduled), np.int32, num_seqs)
-        query_start_loc = np.full(s + 1, num_tokens, np.int32)
-        query_start_loc[0] = 0
-        np.cumsum(lens, out=query_start_loc[1:num_seqs + 1])
-        seq = np.repeat(np.arange(num_seqs, dtype=np.int32), lens)        # token -> sequence
-        pos = np.arange(num_tokens, dtype=np.int32) + np.repeat(starts - query_start_loc[:num_seqs], lens)
-        input_ids = np.zeros(t, np.int32)
-        input_ids[:num_tokens] = np.fromiter(
-            itertools.chain.from_iterable(r.token_ids for r in scheduled), np.int32, num_tokens)
-        pending = np.flatnonzero(input_ids[:num_tokens] == PLACEHOLDER_TOKEN_ID)
-        if len(pending):                       # tokens the last step sampled on the device
-            rows = [self._prev_rows[scheduled[i].request_id] for i in seq[pending]]
-            input_ids[pending] = -1 - np.asarray(rows, np.int32)
-        block_tables = np.zeros((s, self.max_blocks_per_seq), np.int32)
-        for i, r in enumerate(scheduled):
-            block_tables[i, :len(r.block_table)] = r.block_table
-        positions = np.zeros(t, np.int32)
-        positions[:num_tokens] = pos
-        slot_mapping = np.full(t, -1, np.int32)
-        slot_mapping[:num_tokens] = block_tables[seq, pos // bs] * bs + pos % bs
-        seq_lens = np.zeros(s, np.int32)
-        seq_lens[:num_seqs] = starts + lens
-        logits_indices = np.zeros(s, np.int32)
-        logits_indices[:num_seqs] = query_start_loc[1:num_seqs + 1] - 1
-        arrays = dict(input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
-                      block_tables=block_tables, seq_lens=seq_lens,
-                      query_start_loc=query_start_loc, logits_indices=logits_indices)
-        return arrays, decode_only, s
+        """Host numpy buffers for one step: (arrays, decode_only, rows)."""
+        return input_batch.prepare_inputs(scheduled, self.plan, self.block_size,
+                                          self.max_blocks_per_seq, self._prev_rows)
 
     # ------------------------------------------------------------ execution
     def _step_args(self, arrays: dict, decode_only: bool, kv_caches=None) -> tuple:
@@ -306,49 +239,15 @@ class ModelRunner:
         return out
 
     def _call(self, key: tuple, args: tuple, jitted, jit_args: tuple):
-        """The warm-up's program for `key`, else the jit (which compiles on first use)."""
-        compiled = self._programs.get(key)
-        if compiled is None:
-            return jitted(*jit_args)
-        try:
-            out = compiled(*args)
-            if key in self._unverified:      # its first run: wait for it to succeed
-                jax.block_until_ready(out)
-                self._unverified.discard(key)
-            return out
-        except (TypeError, ValueError) as e:
-            # Arguments unlike the warm-up's. Checked before the program runs, so
-            # nothing was donated yet.
-            logger.warning("%s: the warm-up's program rejects these arguments (%s); "
-                           "using the jit from now on", key, str(e)[:300])
-            del self._programs[key]
-            return jitted(*jit_args)
-        except jax.errors.JaxRuntimeError as e:
-            if key not in self._unverified:
-                raise
-            self._replace_program(key, str(e))
-        if key[0] == "step":     # the pool was donated to the failed run
-            raise KVCacheLostError(f"the KV pool was donated to {key}'s failed run and "
-                                   "is allocated anew")
-        return self._call(key, args, jitted, jit_args)
+        return self.compilation.call(key, args, jitted, jit_args)
 
-    def _replace_program(self, key: tuple, reason: str) -> None:
-        """A program read from a file failed its first run: drop its store file and
-        compile it again (a step's pool, donated to that run, is allocated anew)."""
-        self._unverified.discard(key)
+    def _rebuild_program(self, key: tuple) -> Program:
+        """A program of the warm-up again, after its copy from disk failed to run (a
+        step's pool, donated to that run, is allocated anew first)."""
         if key[0] == "step":
             self.kv_caches = self._allocate_pool()
-            program = self._step_program(*key[1:])
-        else:
-            program = self._sample_program(key[1], key[2])
-        if self.store is not None:
-            self.store.evict(self.store.key(program.name, program.args), reason)
-        else:
-            logger.warning("%s failed its first run (%s); compiling it again", key,
-                           reason[:200])
-        queue = executable_store.CompileQueue(self.store, 1)
-        queue.submit([program])
-        self._keep(queue.results())
+            return self._step_program(*key[1:])
+        return self._sample_program(key[1], key[2])
 
     def execute_model(self, scheduler_output, requests: dict,
                       fallback_seeds: dict) -> StepHandle | None:
@@ -358,7 +257,7 @@ class ModelRunner:
         if not scheduled:
             return None
         arrays, decode_only, rows = self.prepare_inputs(scheduled)
-        targets = self._prompt_targets(scheduled, requests, len(arrays["input_ids"]))
+        targets = input_batch.prompt_targets(scheduled, requests, len(arrays["input_ids"]))
         prompt_out = None
         if targets is not None:
             logits, prompt_out = self._launch(arrays, decode_only, targets)
@@ -396,45 +295,9 @@ class ModelRunner:
             results[r.request_id] = res
         prompt = {}
         if handle.prompt_out is not None:
-            prompt = self._split_prompt_logprobs(scheduled, handle.requests,
+            prompt = input_batch.split_prompt_logprobs(scheduled, handle.requests,
                                                  jax.device_get(handle.prompt_out))
         return results, prompt
-
-    def _prompt_targets(self, scheduled, requests, num_tokens):
-        """i32[T]: each prompt token's successor, for chunks of prompt_logprobs
-        requests; None when no scheduled chunk needs prompt logprobs."""
-        targets, off = None, 0
-        for r in scheduled:
-            req, n = requests[r.request_id], len(r.token_ids)
-            prompt = req.prompt_token_ids
-            if (req.sampling_params.prompt_logprobs is not None
-                    and r.num_computed_tokens < len(prompt) - 1):
-                if targets is None:
-                    targets = np.zeros(num_tokens, np.int32)
-                for j in range(n):
-                    pos = r.num_computed_tokens + j
-                    if pos + 1 < len(prompt):
-                        targets[off + j] = prompt[pos + 1]
-            off += n
-        return targets
-
-    def _split_prompt_logprobs(self, scheduled, requests, out):
-        """id -> [(position of the scored prompt token, logprob, rank, top ids, top lps)]."""
-        logprob, rank, top_ids, top_lps = out
-        res, off = {}, 0
-        for r in scheduled:
-            req, n = requests[r.request_id], len(r.token_ids)
-            if req.sampling_params.prompt_logprobs is not None:
-                rows = []
-                for j in range(n):
-                    pos = r.num_computed_tokens + j + 1
-                    if pos < len(req.prompt_token_ids):
-                        t = off + j
-                        rows.append((pos, float(logprob[t]), int(rank[t]),
-                                     top_ids[t].tolist(), top_lps[t].tolist()))
-                res[r.request_id] = rows
-            off += n
-        return res
 
     def _eos_ids(self) -> tuple[int, ...]:
         return self.arch.eos_token_id
@@ -449,18 +312,18 @@ class ModelRunner:
             logits_indices=np.zeros(s, np.int32))
 
     def _step_program(self, t: int, s: int, decode_only: bool,
-                      kv_caches=None) -> executable_store.Program:
+                      kv_caches=None) -> Program:
         """The step for one bucket, lowered with the very arguments a real call passes.
         Its store key leaves out the weights (part of the store's static part)."""
         args = self._step_args(self._dummy_arrays(t, s), decode_only, kv_caches)
-        return executable_store.Program(("step", t, s, decode_only), args[1:], self._step, args)
+        return Program(("step", t, s, decode_only), args[1:], self._step, args)
 
     def _dummy_logits(self, s: int):
         """What the sampler sees from the step: float32 logits [S, V], replicated."""
         return jax.device_put(np.zeros((s, self.arch.vocab_size), np.float32),
                               self._replicated)
 
-    def _warm_up_programs(self, kv_caches=None) -> list[executable_store.Program]:
+    def _warm_up_programs(self, kv_caches=None) -> list[Program]:
         """Every bucket's step (on `kv_caches`, else the runner's pool), then the
         sampler variants for each sequence bucket."""
         shapes = self.plan.all_shapes()
@@ -469,9 +332,9 @@ class ModelRunner:
             programs += [self._sample_program(s, flags) for flags in warm_up_variants()]
         return programs
 
-    def _sample_program(self, s: int, flags) -> executable_store.Program:
+    def _sample_program(self, s: int, flags) -> Program:
         logits, md = self._dummy_logits(s), dummy_metadata(s)
-        return executable_store.Program(("sample", s, flags), (logits, md, self._token_buf),
+        return Program(("sample", s, flags), (logits, md, self._token_buf),
                                         self._sample, (logits, md, flags, self._token_buf))
 
     def warm_up(self) -> float:
@@ -479,19 +342,14 @@ class ModelRunner:
         or loaded from the executable store, and keep them for dispatch. Those the KV
         sizing queued are collected, not lowered again."""
         t0 = time.perf_counter()
-        queue, self._queue = self._queue or self._compile_queue(), None
-        programs = [p for p in self._warm_up_programs()
-                    if p.name not in self._programs and p.name not in queue]
-        queue.submit(programs)
-        loaded = queue.results()
-        self._keep(loaded)
+        num, queue = self.compilation.warm_up(self._warm_up_programs())
         t_ready = time.perf_counter()
         gpu = self.mesh.local_devices[0].platform == "gpu"
         if gpu and self.config.parallel.num_processes == 1:
             self.run_programs_once()
         elapsed = time.perf_counter() - t0
         logger.info("warm-up: %d programs ready in %.1f s (%d lowered and compiled, %.1f s "
-                    "lowering on this thread; %.1f s running each once)%s", len(loaded),
+                    "lowering on this thread; %.1f s running each once)%s", num,
                     elapsed, queue.num_lowered, queue.t_lower, elapsed - (t_ready - t0),
                     f" ({self.store.loads} loaded from the executable store)"
                     if self.store else "")
@@ -505,7 +363,7 @@ class ModelRunner:
         (`_call`). It costs 1.0-1.5 s of an 8B start on the H200. Multi-host runs
         skip it: every process would have to run the same programs in step."""
         out = None
-        for key in sorted(self._programs, key=str):
+        for key in sorted(self.compilation.programs, key=str):
             if key[0] == "step":
                 _, t, s, decode_only = key
                 try:

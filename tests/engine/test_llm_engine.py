@@ -240,11 +240,11 @@ def test_no_compilation_after_warm_up(tiny_model):
         # The GPU warm-up's run of every program once (padding inputs): each program
         # runs, and what the engine generates after it is unchanged.
         runner, ran = llm.llm_engine.runner, []
-        programs = dict(runner._programs)
-        runner._programs = {k: (lambda *a, _k=k, _p=p: ran.append(_k) or _p(*a))
+        programs = dict(runner.compilation.programs)
+        runner.compilation.programs = {k: (lambda *a, _k=k, _p=p: ran.append(_k) or _p(*a))
                             for k, p in programs.items()}
         runner.run_programs_once()
-        runner._programs = programs
+        runner.compilation.programs = programs
         again = llm.generate(inputs, params[:20], use_tqdm=False)
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)

@@ -20,7 +20,7 @@ from jaxllm import LLM, SamplingParams
 from jaxllm.config import CacheConfig, ConfigError
 from jaxllm.models.registry import ArchConfig
 from jaxllm.parallel import mesh as mesh_lib
-from jaxllm.runner import executable_store, kv_cache, model_runner
+from jaxllm.runner import compilation, executable_store, kv_cache, model_runner
 from jaxllm.runner.model_runner import ModelRunner
 
 ENGINE = dict(dtype="float32", max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16,
@@ -80,12 +80,12 @@ def test_restart_loads_every_program_and_traces_nothing(first, count_traces):
     # Donation as in the jit: the pool passed in is gone, and the loaded programs donate
     # and place their outputs exactly as the freshly compiled ones.
     assert all(k.is_deleted() and v.is_deleted() for k, v in pool)
-    fresh = llm1.llm_engine.runner._programs
-    assert runner._programs.keys() == fresh.keys()
-    for name, compiled in runner._programs.items():
+    fresh = llm1.llm_engine.runner.compilation.programs
+    assert runner.compilation.programs.keys() == fresh.keys()
+    for name, compiled in runner.compilation.programs.items():
         assert compiled.donate_argnums == fresh[name].donate_argnums, name
         assert str(compiled.output_shardings) == str(fresh[name].output_shardings), name
-    steps = [c for name, c in runner._programs.items() if name[0] == "step"]
+    steps = [c for name, c in runner.compilation.programs.items() if name[0] == "step"]
     num_pool_leaves = 2 * runner.arch.num_layers
     assert all(len(c.donate_argnums) == num_pool_leaves for c in steps)
 
@@ -238,7 +238,7 @@ def test_bound_covers_the_compiled_temporaries(first):
     """The analytical bound is above what XLA allocates for the tiny model's step."""
     _, _, llm, _ = first
     runner = llm.llm_engine.runner
-    mem = runner._programs[("step", 16, 4, False)].memory_analysis()
+    mem = runner.compilation.programs[("step", 16, 4, False)].memory_analysis()
     assert runner.spec.backend == "reference"
     bound = kv_cache.activation_bound(runner.arch, 16, 4, runner.model_dtype,
                                       gather_block_size=runner.block_size)
@@ -255,7 +255,7 @@ def test_gpu_sizing_path_with_a_fake_device_limit(first, tmp_path, monkeypatch):
     engine = dict(ENGINE, compilation_cache_dir=cache, enforce_eager=True)
     llm = LLM(folder, **engine)
     runner = llm.llm_engine.runner
-    assert runner.store.saves == 1 and list(runner._programs) == [("step", 16, 4, False)]
+    assert runner.store.saves == 1 and list(runner.compilation.programs) == [("step", 16, 4, False)]
     peak = runner.store.load(runner.store.key(*_largest(runner))).peak_bytes
     pool = kv_cache.device_bytes(runner.kv_caches)
     assert runner.num_blocks > 1000 and peak > pool    # the compiled peak holds the pool
@@ -266,7 +266,7 @@ def test_gpu_sizing_path_with_a_fake_device_limit(first, tmp_path, monkeypatch):
     assert again.store.loads == 1 and again.store.saves == 0
     # num_gpu_blocks_override: no sizing compile.
     forced = LLM(folder, num_gpu_blocks_override=20, **engine).llm_engine.runner
-    assert forced.num_blocks == 20 and forced.store.saves == 0 and forced._programs == {}
+    assert forced.num_blocks == 20 and forced.store.saves == 0 and forced.compilation.programs == {}
     # A bound below the step's temporaries: the first pool does not fit, the second does.
     monkeypatch.setattr(kv_cache, "activation_bound", lambda *args, **kwargs: 0)
     shrunk = LLM(folder, **dict(engine, compilation_cache_dir=str(tmp_path / "xla2")))
@@ -288,7 +288,7 @@ def test_gpu_sizing_queues_the_warm_up(first, tmp_path, monkeypatch, count_trace
     queued, warm_up = [], ModelRunner.warm_up
 
     def spy(self):
-        queued.append(set(self._queue._futures))
+        queued.append(set(self.compilation.queue._futures))
         return warm_up(self)
 
     monkeypatch.setattr(ModelRunner, "warm_up", spy)
@@ -298,7 +298,8 @@ def test_gpu_sizing_queues_the_warm_up(first, tmp_path, monkeypatch, count_trace
         cache = str(tmp_path / f"xla{shrink}")
         llm = LLM(folder, compilation_cache_dir=cache, **ENGINE)
         runner = llm.llm_engine.runner
-        assert len(runner._programs) == NUM_PROGRAMS and queued[-1] == set(runner._programs)
+        programs = runner.compilation.programs
+        assert len(programs) == NUM_PROGRAMS and queued[-1] == set(programs)
         # Shrinking: the stale queue's compiles already running still finish and save,
         # and the sampler's (which take no pool) are loaded by the second queue.
         if not shrink:
@@ -337,8 +338,8 @@ def test_compiles_start_while_later_programs_lower():
         def memory_analysis(self):
             return None
 
-    programs = [executable_store.Program(("p", i), (), Jitted(i > 0), ()) for i in range(2)]
-    queue = executable_store.CompileQueue(None, compile_workers=2)
+    programs = [compilation.Program(("p", i), (), Jitted(i > 0), ()) for i in range(2)]
+    queue = compilation.CompileQueue(None, compile_workers=2)
     queue.submit(programs)
     out = queue.results()
     assert waited == [True] and set(out) == {("p", 0), ("p", 1)}
