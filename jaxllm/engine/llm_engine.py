@@ -44,7 +44,7 @@ class LLMEngine:
         from concurrent.futures import ThreadPoolExecutor
 
         from jaxllm.executor.executor import Executor
-        from jaxllm.models.loader import load_tokenizer
+        from jaxllm.tokenizer import load_tokenizer
 
         self.config = config
         t0 = time.perf_counter()

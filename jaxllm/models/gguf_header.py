@@ -6,6 +6,7 @@ from __future__ import annotations
 import mmap
 import struct
 
+from jaxllm.models.errors import CheckpointError
 from jaxllm.models.registry import UnsupportedModelError
 
 # GGUF general.architecture -> HF architecture name.
@@ -94,7 +95,6 @@ def read_gguf_header(path: str) -> tuple[dict, list[str]]:
 
 def load_gguf_header(path: str) -> tuple[dict, list[str]]:
     """read_gguf_header, with an unreadable file raised as CheckpointError."""
-    from jaxllm.models.loader import CheckpointError
     try:
         return read_gguf_header(path)
     except (OSError, ValueError, KeyError, IndexError, struct.error) as e:

@@ -8,6 +8,7 @@ import os
 
 import numpy as np
 
+from jaxllm.models.errors import CheckpointError
 from jaxllm.models.gguf_header import (check_gguf_arch, hf_config_from_meta,
                                        hf_tensor_name, load_gguf_header)
 
@@ -46,7 +47,6 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 class GGUFFile:
     def __init__(self, path: str):
         import gguf
-        from jaxllm.models.loader import CheckpointError
         if not os.path.isfile(path):
             raise CheckpointError(f"{path}: no such GGUF file")
         try:
@@ -81,7 +81,6 @@ class GGUFFile:
 
     def get(self, name: str) -> np.ndarray:
         import gguf
-        from jaxllm.models.loader import CheckpointError
         t = self.tensors.get(name)
         if t is None:
             raise CheckpointError(f"{self.path}: missing tensor {name}")

@@ -7,7 +7,8 @@ import os
 from jaxllm.config import ConfigError
 from jaxllm.models.gguf_header import gguf_hf_config
 from jaxllm.models.gguf_loader import default_model_path
-from jaxllm.models.loader import CheckpointError, read_hf_config
+from jaxllm.models.errors import CheckpointError
+from jaxllm.models.loader import read_hf_config
 from jaxllm.models.registry import ArchConfig, UnsupportedModelError, arch_from_hf_config
 
 

@@ -17,14 +17,11 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from jaxllm.models.registry import ArchConfig, arch_from_hf_config, get_model_class
+from jaxllm.models.errors import CheckpointError
+from jaxllm.models.registry import ArchConfig, arch_from_hf_config
 
 if TYPE_CHECKING:
     from flax import nnx
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded; the message names the file and tensor."""
 
 
 @dataclass
@@ -85,7 +82,8 @@ def resolve_dtype(name: str, hf_dtype: str | None = None):
 def abstract_model(arch: ArchConfig, dtype):
     """(graphdef, abstract state) without allocating anything."""
     from flax import nnx
-    cls = get_model_class(arch)
+    from jaxllm.models.llama import LlamaForCausalLM
+    cls = LlamaForCausalLM     # the one decoder class: the Llama family
     model = nnx.eval_shape(lambda: cls(arch, dtype, rngs=nnx.Rngs(0)))
     return nnx.split(model)
 
@@ -310,55 +308,3 @@ def load_model(path: str | None, dtype_name: str = "auto", load_format: str = "a
         dtype = resolve_dtype(dtype_name, hf.get("torch_dtype") or hf.get("dtype"))
         return LoadedModel(arch, *dummy_state(arch, dtype, shardings, seed), path)
     return load_hf_folder(path, dtype_name, shardings)
-
-
-def get_tokenizer(path: str | None, tokenizer: str | None = None,
-                  vocab_size: int | None = None):
-    """The tokenizer of an HF folder or GGUF file (None = the embedded default).
-
-    A folder with only config.json (a `--load-format dummy` shape) gets a placeholder
-    when `vocab_size` is given: benchmarks feed token ids and need no real text."""
-    from jaxllm.models.gguf_loader import default_model_path, gguf_tokenizer
-    path = tokenizer or path or default_model_path()
-    if path.endswith(".gguf"):
-        return gguf_tokenizer(path)
-    if os.path.isdir(path) and not any(
-            os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer.model")):
-        if vocab_size is not None:
-            return placeholder_tokenizer(vocab_size)
-        raise CheckpointError(f"{path}: no tokenizer.json or tokenizer.model")
-    # Imported only here: AutoTokenizer imports torch where it is installed (through
-    # transformers' configuration_utils), seconds that a placeholder does not need.
-    from transformers import AutoTokenizer
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path}: cannot load a tokenizer ({e})") from None
-
-
-def load_tokenizer(model_config):
-    """The engine's tokenizer (``config.model``'s): get_tokenizer's, a placeholder of
-    the model's vocabulary for a --load-format dummy folder without one, and
-    --chat-template's template if given. Reads no weights, so it can load on a thread
-    while they do."""
-    mc = model_config
-    vocab_size = None
-    if mc.load_format == "dummy" and mc.model and os.path.isdir(mc.model):
-        source = os.path.join(mc.model, "config.json")
-        vocab_size = arch_from_hf_config(read_hf_config(mc.model), source).vocab_size
-    tokenizer = get_tokenizer(mc.model, mc.tokenizer, vocab_size=vocab_size)
-    if mc.chat_template:
-        with open(mc.chat_template) as f:
-            tokenizer.chat_template = f.read()
-    return tokenizer
-
-
-def placeholder_tokenizer(vocab_size: int):
-    """Token i <-> the word "t{i}": enough to run and detokenize random-weight models."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    vocab = {f"t{i}": i for i in range(vocab_size)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##")
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", eos_token="t0")

@@ -115,8 +115,3 @@ def _normalize_rope_scaling(scaling, source: str):
     keys = ("factor", "low_freq_factor", "high_freq_factor",
             "original_max_position_embeddings")
     return tuple(sorted((k, float(scaling[k])) for k in keys))
-
-
-def get_model_class(arch: ArchConfig):
-    from jaxllm.models.llama import LlamaForCausalLM
-    return LlamaForCausalLM

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from conftest import make_tiny_model
-from jaxllm.models.loader import CheckpointError, load_model
+from jaxllm.models.errors import CheckpointError
+from jaxllm.models.loader import load_model
 from jaxllm.models.registry import UnsupportedModelError
 
 
@@ -117,7 +118,7 @@ def test_load_tokenizer_placeholder_and_chat_template(tmp_path):
     """A --load-format dummy folder with only config.json gets a placeholder of the
     model's vocabulary; --chat-template's file replaces the template."""
     from jaxllm.config import engine_config_from_flat
-    from jaxllm.models.loader import load_tokenizer
+    from jaxllm.tokenizer import load_tokenizer
     folder = tmp_path / "shape"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({
@@ -139,7 +140,7 @@ def test_placeholder_tokenizer_imports_no_torch(tmp_path):
     import sys
     (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 300}))
     code = ("import sys\n"
-            "from jaxllm.models.loader import get_tokenizer\n"
+            "from jaxllm.tokenizer import get_tokenizer\n"
             "assert len(get_tokenizer(sys.argv[1], vocab_size=300)) == 300\n"
             "print('torch' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
