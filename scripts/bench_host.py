@@ -44,7 +44,7 @@ def fake_device(runner, device_ms: float):
 
     def execute_model(so, requests, seeds):
         arrays, _, rows = runner.prepare_inputs(so.scheduled)
-        runner._prev_rows = {r.request_id: i for i, r in enumerate(so.scheduled) if r.do_sample}
+        runner.remember_rows(so.scheduled)
         reqs = [requests[r.request_id] for r in so.scheduled]
         SamplingMetadata.from_params(
             [q.sampling_params for q in reqs], [r.output_index for r in so.scheduled],

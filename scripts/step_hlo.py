@@ -35,11 +35,11 @@ def cut_model(model_dir: str, layers: int) -> str:
 
 def kernels_in_order(runner, arrays, decode_only, iters=3):
     import jax
-    jax.block_until_ready(runner._launch(arrays, decode_only))
+    jax.block_until_ready(runner.launch_step(arrays, decode_only))
     folder = tempfile.mkdtemp(prefix="jaxllm-trace-")
     with jax.profiler.trace(folder):
         for _ in range(iters):
-            jax.block_until_ready(runner._launch(arrays, decode_only))
+            jax.block_until_ready(runner.launch_step(arrays, decode_only))
     paths = glob.glob(os.path.join(folder, "plugins", "profile", "*", "*.trace.json.gz"))
     if not paths:
         return []
@@ -79,7 +79,7 @@ def main():
         label, batch, ctx, *q = spec.split(":")
         arrays, decode_only = step_profile.step_arrays(runner, int(batch), int(ctx),
                                                        int(q[0]) if q else 1)
-        text = runner._step.lower(*runner._step_args(arrays, decode_only)).compile().as_text()
+        text = runner.lower_step(arrays, decode_only).compile().as_text()
         with open(os.path.join(out, f"step_{label}.hlo.txt"), "w") as f:
             f.write(text)
         ks = kernels_in_order(runner, arrays, decode_only)

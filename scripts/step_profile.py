@@ -55,15 +55,15 @@ def step_arrays(runner, batch: int, ctx: int, q_len: int = 1):
 def time_steps(runner, arrays, decode_only, iters=20) -> dict:
     """Wall ms per step queued back to back, and waited for one by one."""
     import jax
-    jax.block_until_ready(runner._launch(arrays, decode_only))
+    jax.block_until_ready(runner.launch_step(arrays, decode_only))
     t0 = time.perf_counter()
     for _ in range(iters):
-        out = runner._launch(arrays, decode_only)
+        out = runner.launch_step(arrays, decode_only)
     jax.block_until_ready(out)
     queued = (time.perf_counter() - t0) / iters
     t0 = time.perf_counter()
     for _ in range(iters):
-        jax.block_until_ready(runner._launch(arrays, decode_only))
+        jax.block_until_ready(runner.launch_step(arrays, decode_only))
     synced = (time.perf_counter() - t0) / iters
     return {"step_ms_queued": 1000 * queued, "step_ms_synced": 1000 * synced}
 
@@ -71,11 +71,11 @@ def time_steps(runner, arrays, decode_only, iters=20) -> dict:
 def profile(runner, arrays, decode_only, iters=5, top=12) -> dict:
     """Kernel time per step from a trace of `iters` queued steps."""
     import jax
-    jax.block_until_ready(runner._launch(arrays, decode_only))
+    jax.block_until_ready(runner.launch_step(arrays, decode_only))
     folder = tempfile.mkdtemp(prefix="jaxllm-trace-")
     with jax.profiler.trace(folder):
         for _ in range(iters):
-            out = runner._launch(arrays, decode_only)
+            out = runner.launch_step(arrays, decode_only)
         jax.block_until_ready(out)
     files = glob.glob(os.path.join(folder, "plugins", "profile", "*", "*.trace.json.gz"))
     if not files:

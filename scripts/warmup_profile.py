@@ -82,13 +82,13 @@ def build_runner(args) -> ModelRunner:
     loaded = load_model(folder, args.dtype, "dummy", mesh_lib.param_shardings(mesh))
     if args.small:
         shutil.rmtree(folder)
-    if args.fake_device_limit_gib:       # the GPU's KV sizing path, on a CPU
-        ModelRunner._device_limit = lambda self: int(args.fake_device_limit_gib * (1 << 30))
+    if args.fakedevice_limit_gib:       # the GPU's KV sizing path, on a CPU
+        ModelRunner.device_limit = lambda self: int(args.fakedevice_limit_gib * (1 << 30))
     runner = ModelRunner(config, loaded, mesh, args.max_model_len, args.max_num_batched_tokens)
     t0 = time.perf_counter()
     runner.initialize_kv_cache()
     print(f"KV sizing {time.perf_counter() - t0:.1f} s ({runner.num_blocks} blocks, "
-          f"{len(runner._programs)} program compiled)")
+          f"{len(runner.compilation.programs)} program compiled)")
     return runner
 
 
@@ -96,7 +96,7 @@ def engine_path(runner) -> tuple[float, float]:
     """The engine's start-up (initialize_kv_cache, then warm_up) on a fresh pool, with
     jax's in-memory caches cleared: (KV sizing s, warm-up s)."""
     runner.config = dataclasses.replace(runner.config, enforce_eager=False)
-    runner._programs.clear()
+    runner.compilation.programs.clear()
     runner.kv_caches = None
     gc.collect()
     jax.clear_caches()          # else every trace and compile is found in memory
@@ -146,7 +146,7 @@ def main():
     ap.add_argument("--skip-serial", action="store_true")
     args = ap.parse_args()
     runner = build_runner(args)
-    programs = runner._warm_up_programs()
+    programs = runner.warm_up_programs()
     jax.clear_caches()
     serial = None if args.skip_serial else profile_serial(programs)
     del programs
@@ -157,7 +157,7 @@ def main():
     print(f"serial (trace, lower, compile one by one): {serial or float('nan'):.1f} s; "
           f"the engine's path with {workers} compile threads: KV sizing {kv:.1f} s + "
           f"warm-up {warm:.1f} s = {kv + warm:.1f} s, {cpu:.0f} CPU s "
-          f"({len(runner._programs)} programs; load average {os.getloadavg()[0]:.1f})")
+          f"({len(runner.compilation.programs)} programs; load average {os.getloadavg()[0]:.1f})")
 
 
 if __name__ == "__main__":

@@ -36,10 +36,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from jaxllm.engine.block_pool import BlockPool
-from jaxllm.engine.kv_cache_manager import KVCacheManager, cdiv
+from jaxllm.engine.kv_cache_manager import KVCacheManager
 from jaxllm.engine.request import Request, RequestStatus
-
-PREEMPTION_MODES = ("recompute", "swap")
+from jaxllm.engine.scheduler_checks import PREEMPTION_MODES, validate_args, validate_request
 # Stands for a token sampled by the previous step and not yet read back.
 PLACEHOLDER_TOKEN_ID = -1
 
@@ -85,7 +84,7 @@ class Scheduler:
         enable_prefix_caching: bool = True,
         preemption_mode: str = "recompute",
     ) -> None:
-        _validate_args(block_size, num_gpu_blocks, num_cpu_blocks, max_num_seqs,
+        validate_args(block_size, num_gpu_blocks, num_cpu_blocks, max_num_seqs,
                        max_num_batched_tokens, max_model_len, preemption_mode)
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
@@ -106,7 +105,7 @@ class Scheduler:
     # -- requests in and out --------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        self._validate_request(request)
+        validate_request(self, request)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.append(request)
@@ -385,49 +384,7 @@ class Scheduler:
         del self.requests[request.request_id]
         self._finished_req_ids.append(request.request_id)
 
-    # -- validation ----------------------------------------------------------------------
-
-    def _validate_request(self, request: Request) -> None:
-        n = request.num_prompt_tokens
-        if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
-        if n == 0:
-            raise ValueError(f"request {request.request_id!r}: the prompt is empty")
-        if n > self.max_model_len:
-            raise ValueError(f"request {request.request_id!r}: the prompt ({n} tokens) is longer "
-                             f"than max_model_len={self.max_model_len}")
-        if not self.enable_chunked_prefill and n > self.max_num_batched_tokens:
-            raise ValueError(
-                f"request {request.request_id!r}: the prompt ({n} tokens) exceeds "
-                f"max_num_batched_tokens={self.max_num_batched_tokens} and chunked prefill is "
-                f"off; raise --max-num-batched-tokens or pass --enable-chunked-prefill")
-        # The KV the request can ever need: every token but the last sampled one.
-        max_tokens = request.max_tokens
-        final_len = self.max_model_len if max_tokens is None else min(n + max_tokens, self.max_model_len)
-        num_blocks = cdiv(max(n, final_len - 1), self.block_size)
-        usable = self.block_pool.num_usable_blocks
-        if num_blocks > usable:
-            raise ValueError(
-                f"request {request.request_id!r} can need {num_blocks} KV blocks but the cache "
-                f"has {usable}; lower max_tokens or --max-model-len, or give the KV cache "
-                f"more memory (--gpu-memory-utilization)")
-
 
 def _num_wanted(request: Request) -> int:
     """Tokens the request still needs computed, a pending output included."""
     return request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
-
-
-def _validate_args(block_size: int, num_gpu_blocks: int, num_cpu_blocks: int, max_num_seqs: int,
-                   max_num_batched_tokens: int, max_model_len: int, preemption_mode: str) -> None:
-    positive = dict(block_size=block_size, max_num_seqs=max_num_seqs,
-                    max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len)
-    for name, value in positive.items():
-        if value < 1:
-            raise ValueError(f"{name}={value}: must be >= 1")
-    if num_gpu_blocks < 2:
-        raise ValueError(f"num_gpu_blocks={num_gpu_blocks}: need >= 2 (block 0 is reserved)")
-    if num_cpu_blocks < 0:
-        raise ValueError(f"num_cpu_blocks={num_cpu_blocks}: must be >= 0")
-    if preemption_mode not in PREEMPTION_MODES:
-        raise ValueError(f"preemption_mode={preemption_mode!r}: use one of {PREEMPTION_MODES}")

@@ -158,7 +158,7 @@ class ModelRunner:
         collects them; a pool of another size makes them stale)."""
         cache_cfg = self.config.cache
         weights = kv_cache.device_bytes(self._leaves)
-        limit = self._device_limit()
+        limit = self.device_limit()
         dtype = kv_cache.cache_dtype(cache_cfg, self.model_dtype)
         sharding = mesh_lib.kv_cache_sharding(self.mesh, self.arch.num_kv_heads)
         t, s = self.plan.token_buckets[-1], self.plan.max_seqs
@@ -168,7 +168,7 @@ class ModelRunner:
                                      tp=self.mesh.size)
             programs = [self._step_program(t, s, False, pool)]
             if not self.config.enforce_eager:
-                programs += self._warm_up_programs(pool)
+                programs += self.warm_up_programs(pool)
             self.compilation.queue_programs(num_blocks, programs)
             return self.compilation.queue.result(("step", t, s, False)).peak_bytes
 
@@ -198,7 +198,7 @@ class ModelRunner:
             kv_cache.cache_dtype(self.config.cache, self.model_dtype),
             mesh_lib.kv_cache_sharding(self.mesh, self.arch.num_kv_heads), tp=self.mesh.size)
 
-    def _device_limit(self) -> int | None:
+    def device_limit(self) -> int | None:
         """The device's byte limit; None on CPU, where the pool has a configured size."""
         dev = self.mesh.local_devices[0]
         stats = dev.memory_stats() if dev.platform == "gpu" else None
@@ -222,7 +222,7 @@ class ModelRunner:
             args += (jax.device_put(arrays["prompt_targets"], self._replicated),)
         return args
 
-    def _launch(self, arrays: dict, decode_only: bool, prompt_targets=None):
+    def launch_step(self, arrays: dict, decode_only: bool, prompt_targets=None):
         if prompt_targets is not None:
             args = self._step_args(dict(arrays, prompt_targets=prompt_targets), decode_only)
             logits, self.kv_caches, prompt = self._step_prompt(*args)
@@ -232,7 +232,16 @@ class ModelRunner:
         logits, self.kv_caches = self._call(key, args, self._step, args)
         return logits
 
-    def _sample_step(self, logits, md, flags) -> SamplerOutput:
+    def lower_step(self, arrays: dict, decode_only: bool):
+        """The jitted step lowered for host `arrays` (what a call with them runs)."""
+        return self._step.lower(*self._step_args(arrays, decode_only))
+
+    def remember_rows(self, scheduled) -> None:
+        """Which row of the device's sample buffer holds each sampling request's token
+        (the next step's inputs name the tokens not read back yet by those rows)."""
+        self._prev_rows = {r.request_id: i for i, r in enumerate(scheduled) if r.do_sample}
+
+    def sample_step(self, logits, md, flags) -> SamplerOutput:
         out, self._token_buf = self._call(("sample", logits.shape[0], flags),
                                           (logits, md, self._token_buf),
                                           self._sample, (logits, md, flags, self._token_buf))
@@ -260,9 +269,9 @@ class ModelRunner:
         targets = input_batch.prompt_targets(scheduled, requests, len(arrays["input_ids"]))
         prompt_out = None
         if targets is not None:
-            logits, prompt_out = self._launch(arrays, decode_only, targets)
+            logits, prompt_out = self.launch_step(arrays, decode_only, targets)
         else:
-            logits = self._launch(arrays, decode_only)
+            logits = self.launch_step(arrays, decode_only)
         reqs = [requests[r.request_id] for r in scheduled]
         md, flags = SamplingMetadata.from_params(
             [q.sampling_params for q in reqs], [r.output_index for r in scheduled],
@@ -270,8 +279,8 @@ class ModelRunner:
             rows, self.arch.vocab_size,
             fallback_seeds=[fallback_seeds[q.request_id] for q in reqs],
             eos_token_ids=self._eos_ids())
-        out = self._sample_step(logits, md, flags)
-        self._prev_rows = {r.request_id: i for i, r in enumerate(scheduled) if r.do_sample}
+        out = self.sample_step(logits, md, flags)
+        self.remember_rows(scheduled)
         for x in out:                       # start the copies back now
             x.copy_to_host_async()
         if prompt_out is not None:
@@ -323,7 +332,7 @@ class ModelRunner:
         return jax.device_put(np.zeros((s, self.arch.vocab_size), np.float32),
                               self._replicated)
 
-    def _warm_up_programs(self, kv_caches=None) -> list[Program]:
+    def warm_up_programs(self, kv_caches=None) -> list[Program]:
         """Every bucket's step (on `kv_caches`, else the runner's pool), then the
         sampler variants for each sequence bucket."""
         shapes = self.plan.all_shapes()
@@ -342,7 +351,7 @@ class ModelRunner:
         or loaded from the executable store, and keep them for dispatch. Those the KV
         sizing queued are collected, not lowered again."""
         t0 = time.perf_counter()
-        num, queue = self.compilation.warm_up(self._warm_up_programs())
+        num, queue = self.compilation.warm_up(self.warm_up_programs())
         t_ready = time.perf_counter()
         gpu = self.mesh.local_devices[0].platform == "gpu"
         if gpu and self.config.parallel.num_processes == 1:
@@ -367,9 +376,9 @@ class ModelRunner:
             if key[0] == "step":
                 _, t, s, decode_only = key
                 try:
-                    out = self._launch(self._dummy_arrays(t, s), decode_only)
+                    out = self.launch_step(self._dummy_arrays(t, s), decode_only)
                 except KVCacheLostError:      # replaced; the pool holds nothing yet
-                    out = self._launch(self._dummy_arrays(t, s), decode_only)
+                    out = self.launch_step(self._dummy_arrays(t, s), decode_only)
             elif key[0] == "sample":
                 logits, md = self._dummy_logits(key[1]), dummy_metadata(key[1])
                 out, self._token_buf = self._call(key, (logits, md, self._token_buf),

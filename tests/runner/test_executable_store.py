@@ -136,7 +136,7 @@ def warm_up_keys(folder: str, cache: str, **overrides) -> set[str]:
     llm = LLM(folder, compilation_cache_dir=cache, enforce_eager=True,
               **{**ENGINE, **overrides})
     runner = llm.llm_engine.runner
-    return {runner.store.key(p.name, p.args) for p in runner._warm_up_programs()}
+    return {runner.store.key(p.name, p.args) for p in runner.warm_up_programs()}
 
 
 def test_what_changes_the_program_changes_the_key(first, monkeypatch):
@@ -245,12 +245,12 @@ def test_bound_covers_the_compiled_temporaries(first):
     assert mem.temp_size_in_bytes <= bound <= 4 * mem.temp_size_in_bytes
 
 
-def test_gpu_sizing_path_with_a_fake_device_limit(first, tmp_path, monkeypatch):
+def test_gpu_sizing_path_with_a_fakedevice_limit(first, tmp_path, monkeypatch):
     """The GPU's sizing on this CPU: the largest step compiles once for the pool it
     checks, is kept for dispatch, and a restart loads it."""
     folder, _, _, tokens = first
     limit = 300 << 20            # 270 MiB usable: 256 MiB headroom, ~1 MiB weights
-    monkeypatch.setattr(ModelRunner, "_device_limit", lambda self: limit)
+    monkeypatch.setattr(ModelRunner, "device_limit", lambda self: limit)
     cache = str(tmp_path / "xla")
     engine = dict(ENGINE, compilation_cache_dir=cache, enforce_eager=True)
     llm = LLM(folder, **engine)
@@ -284,7 +284,7 @@ def test_gpu_sizing_queues_the_warm_up(first, tmp_path, monkeypatch, count_trace
     the jit, which traces). A restart loads them all. When the planned pool does not
     fit, that queue is stale: dropped, and every program compiles for the pool that does."""
     folder, _, _, tokens = first
-    monkeypatch.setattr(ModelRunner, "_device_limit", lambda self: 300 << 20)
+    monkeypatch.setattr(ModelRunner, "device_limit", lambda self: 300 << 20)
     queued, warm_up = [], ModelRunner.warm_up
 
     def spy(self):

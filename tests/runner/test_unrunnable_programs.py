@@ -36,7 +36,7 @@ def break_stored(cache: str, folder: str, name: tuple) -> str:
     again (well-formed, right digest, unrunnable); returns its path."""
     llm = LLM(folder, compilation_cache_dir=cache, enforce_eager=True, **ENGINE)
     runner = llm.llm_engine.runner
-    program = next(p for p in runner._warm_up_programs() if p.name == name)
+    program = next(p for p in runner.warm_up_programs() if p.name == name)
     key = runner.store.key(program.name, program.args)
     loaded = runner.store.load(key)
     runner.store.save(key, loaded.compiled, loaded.peak_bytes)

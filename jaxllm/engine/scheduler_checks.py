@@ -1,0 +1,49 @@
+"""The scheduler's checks: its settings, and requests that could never run."""
+from __future__ import annotations
+
+from jaxllm.engine.kv_cache_manager import cdiv
+from jaxllm.engine.request import Request
+
+PREEMPTION_MODES = ("recompute", "swap")
+
+
+def validate_request(scheduler, request: Request) -> None:
+    """Why `request` can never run on `scheduler`, as a ValueError."""
+    n = request.num_prompt_tokens
+    if request.request_id in scheduler.requests:
+        raise ValueError(f"request id {request.request_id!r} is already in use")
+    if n == 0:
+        raise ValueError(f"request {request.request_id!r}: the prompt is empty")
+    if n > scheduler.max_model_len:
+        raise ValueError(f"request {request.request_id!r}: the prompt ({n} tokens) is longer "
+                         f"than max_model_len={scheduler.max_model_len}")
+    if not scheduler.enable_chunked_prefill and n > scheduler.max_num_batched_tokens:
+        raise ValueError(
+            f"request {request.request_id!r}: the prompt ({n} tokens) exceeds "
+            f"max_num_batched_tokens={scheduler.max_num_batched_tokens} and chunked prefill is "
+            f"off; raise --max-num-batched-tokens or pass --enable-chunked-prefill")
+    # The KV the request can ever need: every token but the last sampled one.
+    max_tokens = request.max_tokens
+    final_len = scheduler.max_model_len if max_tokens is None else min(n + max_tokens, scheduler.max_model_len)
+    num_blocks = cdiv(max(n, final_len - 1), scheduler.block_size)
+    usable = scheduler.block_pool.num_usable_blocks
+    if num_blocks > usable:
+        raise ValueError(
+            f"request {request.request_id!r} can need {num_blocks} KV blocks but the cache "
+            f"has {usable}; lower max_tokens or --max-model-len, or give the KV cache "
+            f"more memory (--gpu-memory-utilization)")
+
+
+def validate_args(block_size: int, num_gpu_blocks: int, num_cpu_blocks: int, max_num_seqs: int,
+                   max_num_batched_tokens: int, max_model_len: int, preemption_mode: str) -> None:
+    positive = dict(block_size=block_size, max_num_seqs=max_num_seqs,
+                    max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len)
+    for name, value in positive.items():
+        if value < 1:
+            raise ValueError(f"{name}={value}: must be >= 1")
+    if num_gpu_blocks < 2:
+        raise ValueError(f"num_gpu_blocks={num_gpu_blocks}: need >= 2 (block 0 is reserved)")
+    if num_cpu_blocks < 0:
+        raise ValueError(f"num_cpu_blocks={num_cpu_blocks}: must be >= 0")
+    if preemption_mode not in PREEMPTION_MODES:
+        raise ValueError(f"preemption_mode={preemption_mode!r}: use one of {PREEMPTION_MODES}")
