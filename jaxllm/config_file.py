@@ -15,7 +15,7 @@ import os
 import typing
 
 from jaxllm.config import (FLAT_KEYS, SECTIONS, ConfigError, EngineConfig,
-                           check_against_model, check_device_count, engine_config_from_flat)
+                           check_against_model, engine_config_from_flat)
 
 # Keys holding a path: in a config file they are relative to the file's folder.
 PATH_KEYS = ("model", "tokenizer", "chat_template", "compilation_cache_dir")
@@ -167,15 +167,11 @@ def check_model(config: EngineConfig):
 
 def prepare_launch(config: EngineConfig):
     """Everything to do before the weights load: the compile cache, then the checks
-    against the model's shape and the devices present. Returns the ArchConfig."""
+    against the model's shape and the devices present (the executor's
+    prepare_devices, which joins jax.distributed). Returns the ArchConfig."""
     from jaxllm import compilation_cache
     compilation_cache.enable(config.compilation_cache_dir)
     arch = check_model(config)
-    import jax
-
-    from jaxllm.parallel import distributed
-    distributed.check_config(config)
-    distributed.initialize(config.parallel)    # before any backend is touched
-    available = len(jax.local_devices()) * config.parallel.num_processes
-    check_device_count(config, available)
+    from jaxllm.executor.executor import prepare_devices
+    prepare_devices(config)
     return arch

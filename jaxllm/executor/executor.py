@@ -24,8 +24,7 @@ class Executor:
         t0 = time.perf_counter()
         self.config = config
         mc = config.model
-        distributed.check_config(config)
-        distributed.initialize(config.parallel)     # multi-host; a no-op on one process
+        prepare_devices(config)
         self.mesh = mesh_lib.make_mesh(config.parallel.tensor_parallel_size)
         loaded = load_model(mc.model, mc.dtype, mc.load_format,
                             mesh_lib.param_shardings(self.mesh), mc.seed)
@@ -70,6 +69,19 @@ class Executor:
     def get_output(self, handle):
         """Wait for a launched step: (id -> SampleResult, id -> prompt logprob rows)."""
         return self.runner.get_output(handle)
+
+
+def prepare_devices(config: EngineConfig) -> None:
+    """Join jax.distributed (multi-host; once, before any backend is touched) and
+    check the settings against the devices present. Called by the launcher before
+    the weights load, and again (a no-op by then) by the Executor."""
+    import jax
+
+    from jaxllm.config import check_device_count
+    from jaxllm.parallel import distributed
+    distributed.check_config(config)
+    distributed.initialize(config.parallel)
+    check_device_count(config, len(jax.local_devices()) * config.parallel.num_processes)
 
 
 def run_follower(config: EngineConfig) -> int:
