@@ -24,8 +24,8 @@ def server_config(tiny_model):
 
 @pytest.fixture(scope="session")
 def async_engine(server_config):
-    from jaxllm.engine.async_engine import AsyncLLMEngine
-    engine = AsyncLLMEngine.from_config(server_config)
+    from jaxllm.engine.async_llm import AsyncLLM
+    engine = AsyncLLM.from_config(server_config, multiprocess=False)
     yield engine
     engine.shutdown()
 

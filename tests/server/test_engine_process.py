@@ -1,5 +1,5 @@
-"""The server over MPAsyncLLMEngine (the engine in its own process, `jaxllm serve`'s
-default): the same outputs and errors as over the in-thread AsyncLLMEngine (the
+"""The server over an AsyncLLM with the engine in its own process (`jaxllm serve`'s
+default): the same outputs and errors as over the in-thread AsyncLLM (the
 session's `async_engine`, same settings), aborts reaching the engine process, its
 death answered with 503, and `jaxllm serve` itself (start-up failure, no jax backend
 in the server process, no process left behind).
@@ -25,8 +25,8 @@ import pytest
 from serve_process import follow_stderr, wait_for_url
 from server_helpers import MODEL, metric, sse_events, wait_until_idle
 
-from jaxllm.engine.async_engine import EngineDeadError
-from jaxllm.engine.core_client import MPAsyncLLMEngine, _remote_error
+from jaxllm.engine.async_llm import AsyncLLM, EngineDeadError
+from jaxllm.engine.core_client import _remote_error
 from jaxllm.engine.output_wire import OutputDecoder
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams
@@ -37,7 +37,7 @@ LONG = {"model": MODEL, "prompt": "the quick brown fox", "max_tokens": 240,
 
 
 def slow_steps(engine) -> None:
-    """MPAsyncLLMEngine's setup hook, run in the engine process."""
+    """AsyncLLM.from_config's setup hook, run in the engine process."""
     step = engine.step_deltas
 
     def slow_step():
@@ -48,7 +48,7 @@ def slow_steps(engine) -> None:
 
 @pytest.fixture(scope="module")
 def mp_engine(server_config):
-    engine = MPAsyncLLMEngine(server_config, setup=slow_steps)
+    engine = AsyncLLM.from_config(server_config, multiprocess=True, setup=slow_steps)
     yield engine
     engine.shutdown()
 
@@ -88,13 +88,13 @@ def test_text_prompts_are_tokenized_in_the_server_process(mp_engine):
             ("add", "k3", {"prompt_token_ids": [5]}, params, 1.0)]
     commands = [("add", f"r{i}", t if i != 1 else {"prompt": t}, params, 1.0)
                 for i, t in enumerate(texts)] + kept
-    out = mp_engine._tokenized(commands)
+    out = mp_engine.engine_core._tokenized(commands)
     encode = mp_engine.engine.tokenizer.encode
     assert [c[2] for c in out[:3]] == [{"prompt": t, "prompt_token_ids": encode(t)}
                                        for t in texts]
     assert all(a is b for a, b in zip(out[3:], kept))
     assert out[0][:2] == ("add", "r0") and out[0][3:] == (params, 1.0)
-    assert mp_engine._tokenized(kept) is kept
+    assert mp_engine.engine_core._tokenized(kept) is kept
 
 
 def test_engine_outputs_equal_in_thread_engine(mp_engine, async_engine):
@@ -167,7 +167,7 @@ def test_too_long_prompt_same_400(mp_url, server_url):
         assert answers[1].json()["error"]["code"] == "context_length_exceeded"
 
 
-def wait_until_freed(engine: MPAsyncLLMEngine, timeout: float = 30) -> None:
+def wait_until_freed(engine: AsyncLLM, timeout: float = 30) -> None:
     """Until the engine process's stats show no request and every KV block free."""
     deadline = time.monotonic() + timeout
     while True:
@@ -202,7 +202,7 @@ def test_closing_the_generator_frees_request_in_engine_process(mp_engine):
 
     assert not asyncio.run(run()).finished
     wait_until_freed(mp_engine)
-    assert not mp_engine._decoder._state   # the engine process acknowledged the abort
+    assert not mp_engine.engine_core._decoder._state   # the engine process acknowledged the abort
     with pytest.raises(ValueError, match="maximum context length"):   # as in-thread
         collect(mp_engine, "too-long", "hello " * 300, params)
     assert collect(mp_engine, "close-me", "hello", SamplingParams(max_tokens=2))[-1].finished
@@ -212,7 +212,7 @@ def test_idle_engine_process_and_threads_sleep(mp_engine):
     """Nothing to do: the engine process and the server's reader and writer threads
     block (on the pipes, a condition variable) rather than poll."""
     stats = [f"/proc/{mp_engine.process.pid}/stat"] + [
-        f"/proc/self/task/{t.native_id}/stat" for t in (mp_engine._reader, mp_engine._writer)]
+        f"/proc/self/task/{t.native_id}/stat" for t in (mp_engine.engine_core._reader, mp_engine.engine_core._writer)]
     before = [_cpu_seconds(path) for path in stats]
     time.sleep(0.5)
     used = [_cpu_seconds(path) - b for path, b in zip(stats, before)]

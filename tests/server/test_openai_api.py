@@ -285,13 +285,13 @@ def test_stats_log_line(client, caplog):
 def test_chat_template_file(server_config, tmp_path):
     """--chat-template FILE replaces the tokenizer's template (a second engine on the
     same model: the compiled steps are shared, so it starts in about a second)."""
-    from jaxllm.engine.async_engine import AsyncLLMEngine
+    from jaxllm.engine.async_llm import AsyncLLM
     template = tmp_path / "template.jinja"
     template.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n"
                         "{% endfor %}[assistant]")
     config = server_config.replace(
         model=dataclasses.replace(server_config.model, chat_template=str(template)))
-    engine = AsyncLLMEngine.from_config(config)
+    engine = AsyncLLM.from_config(config, multiprocess=False)
     try:
         with serve_in_background(build_app(engine, config)) as url:
             tokens = httpx.post(f"{url}/tokenize", json={"messages": MESSAGES}).json()["tokens"]

@@ -183,10 +183,10 @@ class DyingEngine:
 
 
 def test_engine_death_gives_503(async_engine, server_config):
-    from jaxllm.engine.async_engine import AsyncLLMEngine
+    from jaxllm.engine.async_llm import AsyncLLM
     from jaxllm.entrypoints.openai.api_server import build_app, serve_in_background
     dying = DyingEngine(async_engine.engine.tokenizer)
-    engine = AsyncLLMEngine(dying)
+    engine = AsyncLLM.from_engine(dying)
     config = server_config.replace(model=dataclasses.replace(server_config.model,
                                                              served_model_name=()))
     with serve_in_background(build_app(engine, config)) as url:

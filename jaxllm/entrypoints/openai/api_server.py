@@ -1,9 +1,9 @@
-"""The OpenAI-compatible HTTP server: a Starlette app over an AsyncLLMEngine, or an
-MPAsyncLLMEngine (the same API, the engine in its own process: `jaxllm serve`'s
-default; --disable-frontend-multiprocessing keeps it in a thread of this process).
+"""The OpenAI-compatible HTTP server: a Starlette app over an AsyncLLM (the engine in
+its own process, `jaxllm serve`'s default, or on a thread of this process with
+--disable-frontend-multiprocessing: the app does not tell them apart).
 
     run_server(config)                       # what `jaxllm serve` calls
-    app = build_app(AsyncLLMEngine(engine), config)
+    app = build_app(AsyncLLM.from_engine(llm_engine), config)
     with serve_in_background(app) as url:    # tests: uvicorn on 127.0.0.1, a free port
         ...
 """
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import hmac
 import json
 import logging
@@ -30,8 +29,8 @@ from starlette.routing import Route
 
 import jaxllm
 from jaxllm.config import EngineConfig
-from jaxllm.engine.async_engine import AsyncLLMEngine
-from jaxllm.engine.core_client import MPAsyncLLMEngine, SpawnedEngine, spawn_engine
+from jaxllm.engine.async_llm import AsyncLLM
+from jaxllm.engine.core_client import SpawnedEngine, spawn_engine
 from jaxllm.entrypoints.openai.errors import EXCEPTION_HANDLERS, APIError, bad_request, engine_dead
 from jaxllm.entrypoints.openai.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, parse_request)
@@ -47,19 +46,16 @@ logger = logging.getLogger(__name__)
 DEAD_ENGINE_GRACE_S = 1.0
 
 
-def build_app(engine: AsyncLLMEngine | MPAsyncLLMEngine, config: EngineConfig, *,
+def build_app(engine: AsyncLLM, config: EngineConfig, *,
               log_stats_interval: float = 5.0,
               on_engine_dead: Callable[[], None] | None = None) -> Starlette:
     """The app: routes, OpenAI-shaped errors, --api-key on /v1, the stats log.
     `on_engine_dead`: called once the engine has died (run_server stops the server
     then, so that a supervisor restarts it)."""
-    llm = engine.engine   # an LLMEngine, or the EngineInfo an engine process sent
-    # An engine thread decodes with its tokenizer; the event loop gets its own copy,
-    # since a Rust tokenizer used from two threads can fail with "Already borrowed".
-    # The copy carries the chat template, --chat-template's if given (the engine loads it).
-    # An engine process sent a copy already.
-    tokenizer = llm.tokenizer if isinstance(engine, MPAsyncLLMEngine) else \
-        copy.deepcopy(llm.tokenizer)
+    llm = engine.engine   # the EngineInfo
+    # The front end's own tokenizer (no engine thread uses it), with the chat
+    # template the engine loaded (--chat-template's if given).
+    tokenizer = llm.tokenizer
     names = config.model.served_model_name or (llm.model_name,)
     models = OpenAIServingModels(names, config.model.model or names[0], llm.max_model_len)
     chat = OpenAIServingChat(engine, models, tokenizer)
@@ -160,7 +156,7 @@ def run_server(config: EngineConfig, *, log_stats_interval: float = 5.0,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if config.server.disable_frontend_multiprocessing:
         timeline.mark("launch_s")
-        engine = AsyncLLMEngine.from_config(config)
+        engine = AsyncLLM.from_config(config, multiprocess=False)
         timeline.mark("engine_s")
     else:
         spawned = spawned or spawn_engine(config)
@@ -168,8 +164,8 @@ def run_server(config: EngineConfig, *, log_stats_interval: float = 5.0,
         # While the engine loads: what unpickling its tokenizer would import (seconds).
         from transformers import PreTrainedTokenizerFast  # noqa: F401
         timeline.mark("imports_s")
-        engine = MPAsyncLLMEngine(config, spawned=spawned)
-        timeline.mark("engine_wait_s", time.perf_counter() - engine.ready_message_s)
+        engine = AsyncLLM.from_config(config, multiprocess=True, spawned=spawned)
+        timeline.mark("engine_wait_s", time.perf_counter() - engine.engine_core.ready_message_s)
         timeline.mark("ready_message_s")
     server = None
 

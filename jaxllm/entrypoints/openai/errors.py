@@ -9,7 +9,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from jaxllm.engine.async_engine import EngineDeadError
+from jaxllm.engine.async_llm import EngineDeadError
 
 # HTTP status -> OpenAI's error type.
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error",

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from starlette.responses import Response
 
-from jaxllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from jaxllm.engine.async_llm import AsyncLLM, EngineDeadError
 from jaxllm.entrypoints.openai.errors import APIError, bad_request, engine_dead
 from jaxllm.entrypoints.openai.serving_models import OpenAIServingModels
 
@@ -25,7 +25,7 @@ class OpenAIServing:
 
     id_prefix = "cmpl"
 
-    def __init__(self, engine: AsyncLLMEngine, models: OpenAIServingModels, tokenizer):
+    def __init__(self, engine: AsyncLLM, models: OpenAIServingModels, tokenizer):
         self.engine = engine
         self.models = models
         self.tokenizer = tokenizer   # the server's own copy: the engine thread uses its own
