@@ -5,7 +5,7 @@ The model runner's launch and read-back are replaced by a fake device that takes
 token, so what is timed is the host: scheduling, input preparation, sampling
 metadata, output building, detokenization, and (with --serve) the HTTP/SSE path of
 `jaxllm serve` with a `jaxllm bench serve` client, over the engine in a thread of
-the server (AsyncLLMEngine) and/or in a process of its own (MPAsyncLLMEngine, the
+the server (AsyncLLM in-process) and/or in a process of its own (AsyncLLM's engine process, the
 default of `jaxllm serve`; its engine process gets the same fake device). Runs on
 the CPU.
 
@@ -64,7 +64,7 @@ def fake_device(runner, device_ms: float):
 
 
 def fake_engine_device(engine, device_ms: float):
-    """MPAsyncLLMEngine's setup hook: the fake device, in the engine process."""
+    """The engine process's setup hook: the fake device, in the engine process."""
     fake_device(engine.runner, device_ms)
 
 
@@ -109,13 +109,13 @@ def main():
               f"{args.requests * args.output_len / t:.0f} out tok/s", flush=True)
     if not args.serve:
         return
-    from jaxllm.engine.async_engine import AsyncLLMEngine
-    from jaxllm.engine.core_client import MPAsyncLLMEngine
+    from jaxllm.engine.async_llm import AsyncLLM
     if args.serve_engine in ("thread", "both"):
-        serve(lambda: AsyncLLMEngine(engine), engine.config, folder, args, "engine thread")
+        serve(lambda: AsyncLLM.from_engine(engine), engine.config, folder, args, "engine thread")
     if args.serve_engine in ("process", "both"):
         setup = functools.partial(fake_engine_device, device_ms=args.device_ms)
-        serve(lambda: MPAsyncLLMEngine(engine.config, setup=setup), engine.config, folder,
+        serve(lambda: AsyncLLM.from_config(engine.config, multiprocess=True, setup=setup),
+              engine.config, folder,
               args, "engine process")
 
 
