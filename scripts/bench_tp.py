@@ -142,7 +142,7 @@ def run_child(args) -> dict:
     state = jax.tree.leaves(engine.runner.state)
     result = {
         "tp": args.child, "startup_s": time.perf_counter() - t0,
-        "device": engine.mesh.devices.flat[0].device_kind, "jax": jax.__version__,
+        "device": engine.executor.mesh.devices.flat[0].device_kind, "jax": jax.__version__,
         "weights_gib_per_device": sum(x.addressable_shards[0].data.nbytes for x in state) / 2**30,
         "num_kv_blocks": engine.runner.num_blocks, "attention": engine.runner.spec.backend,
     }

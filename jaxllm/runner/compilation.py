@@ -143,12 +143,16 @@ class CompilationManager:
     after the runner allocated a new pool)."""
 
     def __init__(self, store: ExecutableStore | None, compile_workers: int, load_workers: int,
-                 rebuild: Callable[[tuple], Program]):
+                 rebuild: Callable[[tuple], Program], check_first_runs: bool = True):
         self.store = store
         self.compile_workers, self.load_workers = compile_workers, load_workers
         self.rebuild = rebuild
         self.programs: dict[tuple, Any] = {}
         self.unverified: set[tuple] = set()    # read from a file, not run yet
+        self.replaced: set[tuple] = set()      # compiled again once: a failure is real
+        # Multi-host: a recovery on one process only would desynchronize the others,
+        # so there a failed first run stays fatal.
+        self.check_first_runs = check_first_runs
         # Compiles started by the KV sizing for a pool of queue_blocks; see warm_up.
         self.queue: CompileQueue | None = None
         self.queue_blocks = 0
@@ -159,7 +163,7 @@ class CompilationManager:
     def keep(self, loaded: dict[tuple, Loaded]) -> None:
         for name, x in loaded.items():
             self.programs[name] = x.compiled
-            if x.from_disk:
+            if x.from_disk and self.check_first_runs:
                 self.unverified.add(name)
 
     def queue_programs(self, num_blocks: int, programs: list[Program]) -> None:
@@ -207,7 +211,7 @@ class CompilationManager:
             del self.programs[key]
             return jitted(*jit_args)
         except jax.errors.JaxRuntimeError as e:
-            if key not in self.unverified:
+            if key not in self.unverified or key in self.replaced:
                 raise
             self.replace(key, str(e))
         if key[0] == "step":     # the pool was donated to the failed run
@@ -219,6 +223,7 @@ class CompilationManager:
         """Drop a program read from a file that failed its first run (and its store
         file), and compile it again."""
         self.unverified.discard(key)
+        self.replaced.add(key)
         program = self.rebuild(key)
         if self.store is not None:
             self.store.evict(self.store.key(program.name, program.args), reason)

@@ -125,7 +125,8 @@ class ModelRunner:
         # (executable_store); on a GPU it is mostly loading kernels, so threads overlap.
         cpu = mesh.local_devices[0].platform == "cpu"
         self.compilation = CompilationManager(self.store, min(os.cpu_count() or 1, 16),
-                                              1 if cpu else 8, self._rebuild_program)
+                                              1 if cpu else 8, self._rebuild_program,
+                                              jax.process_count() == 1)
 
     def _open_store(self, treedef) -> executable_store.ExecutableStore | None:
         """The executable store, when a compilation cache folder is configured and
