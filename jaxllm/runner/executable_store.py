@@ -18,7 +18,7 @@ jaxllm-executables/<key>.bin`:
 A file that cannot be read or loaded is skipped with a warning and compiled again.
 Each file starts with a digest of its contents, so a damaged one never reaches XLA.
 A program that loads but fails its first run is evicted (`evict`) and compiled again
-by the runner.
+by the compilation manager (runner/compilation.py).
 
 Only fresh compiles are saved. An executable that jax's persistent cache served (a
 hit inside `lowered.compile()`) is used but not saved: on XLA:CPU a deserialized
