@@ -10,17 +10,20 @@ from __future__ import annotations
 import logging
 import time
 
-from jaxllm.config import EngineConfig, check_against_model, effective_max_model_len
+from jaxllm.config import (EngineConfig, check_against_model, check_device_count,
+                           effective_max_model_len)
+# Imported with this module, not in Executor(): LLMEngine imports it before it starts
+# the tokenizer thread, and these imports under that thread's (transformers') import
+# were 2-3 s slower on the H200 host than alone.
+from jaxllm.models.loader import load_model
+from jaxllm.parallel import distributed, mesh as mesh_lib
+from jaxllm.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
 
 class Executor:
     def __init__(self, config: EngineConfig):
-        from jaxllm.models.loader import load_model
-        from jaxllm.parallel import distributed, mesh as mesh_lib
-        from jaxllm.runner.model_runner import ModelRunner
-
         t0 = time.perf_counter()
         self.config = config
         mc = config.model
@@ -77,8 +80,6 @@ def prepare_devices(config: EngineConfig) -> None:
     the weights load, and again (a no-op by then) by the Executor."""
     import jax
 
-    from jaxllm.config import check_device_count
-    from jaxllm.parallel import distributed
     distributed.check_config(config)
     distributed.initialize(config.parallel)
     check_device_count(config, len(jax.local_devices()) * config.parallel.num_processes)
@@ -87,7 +88,6 @@ def prepare_devices(config: EngineConfig) -> None:
 def run_follower(config: EngineConfig) -> int:
     """A multi-host follower's whole life: build the device side as the leader does,
     then replay the leader's steps. Returns the number of steps run."""
-    from jaxllm.parallel import distributed
     executor = Executor(config)
     executor.initialize_kv_cache()
     if not config.enforce_eager:
