@@ -7,6 +7,7 @@ field and its allowed range. Pure Python: the scheduler and engine import this.
 from __future__ import annotations
 
 import enum
+import json
 from dataclasses import dataclass
 
 # Below this a temperature is treated as 0 (greedy), as in vLLM.
@@ -26,6 +27,60 @@ class SamplingType(enum.IntEnum):
     GREEDY = 0
     RANDOM = 1
     RANDOM_SEED = 2
+
+
+@dataclass
+class StructuredOutputsParams:
+    """One constraint on a request's output (vLLM's ``StructuredOutputsParams``):
+    exactly one of ``json`` (a JSON schema, dict or string), ``regex``, ``choice``
+    (the output is one of these strings), ``grammar`` (Lark or GBNF) or
+    ``json_object`` (any JSON object). ``whitespace_pattern`` (a regex) replaces the
+    whitespace allowed between JSON tokens; ``disable_any_whitespace`` allows none."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+    KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+    def __post_init__(self) -> None:
+        given = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs takes exactly one constraint of "
+                f"{', '.join(self.KINDS)}; got {', '.join(given) if given else 'none'}")
+        if isinstance(self.json, str):
+            try:
+                self.json = json.loads(self.json)
+            except ValueError as e:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+        _check(self.json is None or isinstance(self.json, (dict, bool)),
+               "structured_outputs.json", type(self.json).__name__, "a JSON schema object")
+        for name in ("regex", "grammar", "whitespace_pattern"):
+            value = getattr(self, name)
+            _check(value is None or (isinstance(value, str) and value), f"structured_outputs.{name}",
+                   value, "a non-empty string")
+        if self.choice is not None:
+            _check(isinstance(self.choice, (list, tuple)) and len(self.choice) > 0
+                   and all(isinstance(c, str) and c for c in self.choice),
+                   "structured_outputs.choice", self.choice, "a non-empty list of non-empty strings")
+            self.choice = list(self.choice)
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def key(self) -> str:
+        """What identifies the compiled grammar (the compile cache's key)."""
+        return json.dumps([self.kind, getattr(self, self.kind), self.disable_any_whitespace,
+                           self.disable_additional_properties, self.whitespace_pattern],
+                          sort_keys=True)
 
 
 @dataclass
@@ -57,6 +112,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self._normalize()
@@ -76,6 +132,8 @@ class SamplingParams:
         self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
 
     def _verify_args(self) -> None:
         _check(isinstance(self.n, int) and self.n >= 1, "n", self.n, "an int >= 1")

@@ -1,0 +1,83 @@
+"""llguidance, the grammar library behind structured outputs: a request's constraint as
+an llguidance grammar, its validation, the engine tokenizer wrapped for token masks, and
+a matcher per request.
+
+Why llguidance: no torch at import (xgrammar's Python package imports torch, which
+jaxllm never loads), JSON schema, regex, Lark and GBNF in one library, schemas compile
+in about a millisecond without a tokenizer pass, and masks come from Rust threads that
+drop the GIL (`LLExecutor`). outlines-core is regex-only and took ~1.7 s per schema
+at the Qwen vocabulary.
+"""
+from __future__ import annotations
+
+import json
+
+import llguidance
+import llguidance.numpy
+import numpy as np
+
+from jaxllm.sampling_params import StructuredOutputsParams
+
+
+def grammar_spec(params: StructuredOutputsParams) -> str:
+    """The llguidance grammar of a constraint (not yet checked)."""
+    kind = params.kind
+    if kind in ("json", "json_object"):
+        schema = params.json if kind == "json" else {"type": "object"}
+        options: dict = {"whitespace_flexible": not params.disable_any_whitespace}
+        if params.whitespace_pattern is not None:
+            options["whitespace_pattern"] = params.whitespace_pattern
+        overrides = {"additionalProperties": False} \
+            if params.disable_additional_properties else None
+        try:
+            return llguidance.LLMatcher.grammar_from_json_schema(
+                schema, defaults=options, overrides=overrides)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"structured_outputs.json: {e}") from None
+    if kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(params.regex)
+    if kind == "choice":
+        # JSON string literals are valid Lark string literals (same escapes).
+        return llguidance.LLMatcher.grammar_from_lark(
+            "start: " + " | ".join(json.dumps(c) for c in params.choice))
+    try:      # Lark, or GBNF (llama.cpp's), which llguidance converts
+        return llguidance.grammar_from("grammar", params.grammar)
+    except ValueError as e:
+        raise ValueError(f"structured_outputs.grammar: {e}") from None
+
+
+def validate(params: StructuredOutputsParams) -> str:
+    """The grammar of a constraint; ValueError naming the field when llguidance rejects
+    it (a bad schema, regex or grammar). About a millisecond; needs no tokenizer."""
+    spec = grammar_spec(params)
+    error = llguidance.LLMatcher.validate_grammar(spec)
+    if error:
+        first = error.strip().splitlines()[0] if error.strip() else error
+        raise ValueError(f"structured_outputs.{params.kind} is not a valid "
+                         f"{_WHAT[params.kind]}: {first[:300]}")
+    return spec
+
+
+_WHAT = {"json": "JSON schema", "json_object": "JSON schema", "regex": "regular expression",
+         "choice": "choice list", "grammar": "grammar (Lark or GBNF)"}
+
+
+def make_tokenizer(hf_tokenizer, vocab_size: int) -> llguidance.LLTokenizer:
+    """llguidance's view of the engine tokenizer, masks `vocab_size` wide (the model's
+    logits; ids the tokenizer lacks are never allowed). About a second at 150k tokens."""
+    import llguidance.hf      # imports transformers: the engine's side only
+    return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size)
+
+
+def new_matcher(tokenizer: llguidance.LLTokenizer, spec: str) -> llguidance.LLMatcher:
+    matcher = llguidance.LLMatcher(tokenizer, spec, log_level=0)
+    if matcher.is_error():
+        raise ValueError(matcher.get_error())
+    return matcher
+
+
+def fill_bitmask(executor: llguidance.LLExecutor, rows: list[tuple], bitmask: np.ndarray):
+    """Each (matcher, row)'s mask of allowed next tokens into bitmask i32[S, W], on
+    llguidance's threads (the GIL dropped)."""
+    if rows:
+        llguidance.numpy.fill_next_token_bitmask_par(executor, rows, bitmask)
