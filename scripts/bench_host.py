@@ -35,7 +35,7 @@ TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_siz
 
 def fake_device(runner, device_ms: float):
     """Replace the runner's device work by a stream that takes device_ms per step."""
-    from jaxllm.runner.model_runner import SampleResult
+    from jaxllm.runner.step_output import SampleResult
     from jaxllm.runner.sampler import SamplingMetadata
     free = [0.0]
 

@@ -5,7 +5,10 @@ step() = schedule -> execute_model (launched, not waited for) -> update_from_out
 step N+1 before it reads back step N, so the host's scheduling and input preparation
 overlap the device; each call returns the tokens of the step the previous call
 launched. Penalties read a request's output tokens on the host, so a step holding
-such a request is read back before the next one is scheduled.
+such a request is read back before the next one is scheduled. A step with a
+structured-output request launches its model, then reads the previous step back
+(advancing the grammars), then launches its sampler with the grammar bitmask: the
+masks are computed while the device runs the model.
 """
 from __future__ import annotations
 
@@ -31,15 +34,23 @@ class EngineCoreOutputs:
 class EngineCore:
     """`executor`: the device side (execute_model, get_output); see executor/."""
 
-    def __init__(self, scheduler: Scheduler, executor, async_scheduling: bool = True):
+    def __init__(self, scheduler: Scheduler, executor, async_scheduling: bool = True,
+                 structured_output_manager=None):
         self.scheduler = scheduler
         self.executor = executor
         self.async_scheduling = async_scheduling
+        self.structured_output_manager = structured_output_manager
         self.seeds: dict[str, int] = {}     # request id -> its sampling seed
         self._in_flight: tuple[SchedulerOutput, Any] | None = None   # launched, not read
 
     def add_request(self, request: Request, seed: int) -> None:
         self.seeds[request.request_id] = seed
+        constraint = getattr(request.sampling_params, "structured_outputs", None)
+        if constraint is not None:
+            if self.structured_output_manager is None:
+                raise ValueError("structured outputs need the engine's tokenizer")
+            request.structured_output_request = self.structured_output_manager.new_request(
+                request.request_id, constraint)
         self.scheduler.add_request(request)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
@@ -53,9 +64,15 @@ class EngineCore:
         outputs = EngineCoreOutputs()
         if previous is not None and not self._can_schedule_ahead(previous[0]):
             outputs, previous = self._update(*previous), None
-        launched = self._launch(self.scheduler.schedule())
+        so = self.scheduler.schedule()
+        constrained = self._constrained(so)
+        launched = self._launch(so, defer_sample=constrained)
         if previous is not None:
             outputs = self._update(*previous)
+        if launched is not None and constrained:
+            self._sample_constrained(*launched)
+        if launched is None and previous is None and self.scheduler.has_unfinished_requests():
+            self._wait_for_grammars()
         if launched is not None and self.async_scheduling:
             self._in_flight = launched
         elif launched is not None:
@@ -69,7 +86,23 @@ class EngineCore:
         return not any(requests[r.request_id].sampling_params.uses_penalties
                        for r in so.scheduled if r.request_id in requests)
 
-    def _launch(self, so: SchedulerOutput):
+    def _constrained(self, so: SchedulerOutput) -> bool:
+        som = self.structured_output_manager
+        return som is not None and som.has_constrained(so.scheduled, self.scheduler.requests)
+
+    def _sample_constrained(self, so: SchedulerOutput, handle) -> None:
+        """Launch the sampler of a step whose model is running, with the grammar
+        bitmask after the previous step's tokens."""
+        bitmask = self.structured_output_manager.grammar_bitmask(
+            so.scheduled, self.scheduler.requests)
+        self.executor.sample_tokens(handle, bitmask)
+
+    def _wait_for_grammars(self) -> None:
+        """Nothing ran: the waiting requests may be held for their grammars."""
+        if self.structured_output_manager is not None:
+            self.structured_output_manager.wait_for_grammars(0.05)
+
+    def _launch(self, so: SchedulerOutput, defer_sample: bool = False):
         if not so.scheduled:
             return None
         now = time.time()
@@ -78,7 +111,7 @@ class EngineCore:
             req.first_scheduled_time = req.first_scheduled_time or now
         try:
             return so, self.executor.execute_model(
-                so, requests, {rid: self.seeds[rid] for rid in requests})
+                so, requests, {rid: self.seeds[rid] for rid in requests}, defer_sample)
         except KVCacheLostError as e:
             logger.warning("%s: %d running requests compute their KV again", e,
                            self.scheduler.num_running)
@@ -95,3 +128,4 @@ class EngineCore:
                 self.seeds.pop(req.request_id, None)
         return EngineCoreOutputs([(req, results[req.request_id]) for req in updated],
                                  prompt_logprobs)
+

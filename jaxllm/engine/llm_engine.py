@@ -21,6 +21,8 @@ from jaxllm.engine.output_processor import OutputProcessor
 from jaxllm.engine.request import Request, RequestStatus
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.sampling_params import SamplingParams
+from jaxllm.structured_output import validate as validate_structured_outputs
+from jaxllm.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +73,12 @@ class LLMEngine:
             preemption_mode=sc.preemption_mode)
         if not config.enforce_eager:
             ex.compile_or_warm_up_model()
-        self.engine_core = EngineCore(scheduler, ex, sc.async_scheduling)
+        self.eos_token_id = self.arch.eos_token_id[0] if self.arch.eos_token_id else \
+            self.tokenizer.eos_token_id
+        # After the warm-up: its tokenizer view builds on a thread of its own.
+        structured = StructuredOutputManager(self.tokenizer, self.arch.vocab_size,
+                                             self.eos_token_id)
+        self.engine_core = EngineCore(scheduler, ex, sc.async_scheduling, structured)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.startup_seconds = time.perf_counter() - t0
         # Where start-up went: weights (built or read), the wait for the tokenizer after
@@ -82,8 +89,6 @@ class LLMEngine:
             "load_s": t_tokenizer - t0, "weights_s": ex.weights_s,
             "tokenizer_wait_s": t_tokenizer - t_load, "runner_s": t_load - t0 - ex.weights_s,
             "kv_cache_s": t_kv - t_tokenizer, "warm_up_s": time.perf_counter() - t_kv}
-        self.eos_token_id = self.arch.eos_token_id[0] if self.arch.eos_token_id else \
-            self.tokenizer.eos_token_id
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self._rng = random.Random(config.model.seed)
@@ -128,6 +133,8 @@ class LLMEngine:
             raise ValueError("prompt_logprobs is not supported across several processes")
         if request_id in self.output_processor.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if params.structured_outputs is not None:
+            validate_structured_outputs(params.structured_outputs)
         text, token_ids = self._tokenize(prompt)
         self._validate_length(len(token_ids), params)
         now = time.time() if arrival_time is None else arrival_time

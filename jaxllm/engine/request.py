@@ -87,6 +87,9 @@ class Request:
         # KV cache manager. Full blocks never change, so the list only grows.
         self.block_hashes: list[int] = []
         self.first_scheduled_time: float | None = None     # set by the engine core
+        # Structured outputs: the grammar's matcher (structured_output/request.py),
+        # set by the engine core; None for an unconstrained request.
+        self.structured_output_request: Any = None
 
     @property
     def all_token_ids(self) -> list[int]:

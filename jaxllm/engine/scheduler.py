@@ -201,7 +201,10 @@ class Scheduler:
             if sched.do_sample:
                 # Also for a request preempted since: the token came from valid KV.
                 request.num_output_placeholders -= 1
-                request.append_output_token(sampled[sched.request_id])
+                token = sampled[sched.request_id]
+                request.append_output_token(token)
+                if request.structured_output_request is not None:
+                    request.structured_output_request.accept(token)
                 updated.append(request)
             if status is RequestStatus.RUNNING:
                 self.kv_cache_manager.cache_blocks(request)
@@ -280,8 +283,11 @@ class Scheduler:
             request = self.waiting[0]
             if request.num_output_placeholders:
                 break  # preempted with a token in flight: resume once it is read back
-            if request.parent_id is not None and request.parent_id in sharing:
-                held_back.append(self.waiting.popleft())  # keeps its place, see module doc
+            grammar = request.structured_output_request
+            if (request.parent_id is not None and request.parent_id in sharing) or (
+                    grammar is not None and not grammar.is_ready()):
+                # Keeps its place (see module doc), or waits for its grammar to compile.
+                held_back.append(self.waiting.popleft())
                 continue
             num_new = self._admit(request, budget)
             if num_new == 0:
@@ -376,6 +382,10 @@ class Scheduler:
         if last in (getattr(params, "stop_token_ids", None) or ()):
             request.status = RequestStatus.FINISHED_STOPPED
             request.stop_reason = last
+            return True
+        grammar = request.structured_output_request
+        if grammar is not None and grammar.is_terminated():
+            request.status = RequestStatus.FINISHED_STOPPED   # the grammar is complete
             return True
         return False
 

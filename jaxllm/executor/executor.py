@@ -60,14 +60,23 @@ class Executor:
         """Every bucket's programs compiled or loaded; returns the seconds it took."""
         return self.runner.warm_up()
 
-    def execute_model(self, scheduler_output, requests: dict, seeds: dict):
+    def execute_model(self, scheduler_output, requests: dict, seeds: dict,
+                      defer_sample: bool = False):
         """Launch one step (swaps, model, sampler) without waiting for it; a handle
-        for get_output, or None when nothing is scheduled."""
+        for get_output, or None when nothing is scheduled. With `defer_sample` the
+        sampler waits for sample_tokens (structured outputs: the grammar bitmask is
+        computed from the previous step's tokens while this step's model runs)."""
         if self.leader is not None and scheduler_output.scheduled:
-            self.leader.send("execute", scheduler_output, requests, seeds)
+            self.leader.send("execute", scheduler_output, requests, seeds, defer_sample)
         self.runner.swap_out(scheduler_output.blocks_to_swap_out, self.host_pool)
         self.runner.swap_in(scheduler_output.blocks_to_swap_in, self.host_pool)
-        return self.runner.execute_model(scheduler_output, requests, seeds)
+        return self.runner.execute_model(scheduler_output, requests, seeds, defer_sample)
+
+    def sample_tokens(self, handle, grammar_bitmask) -> None:
+        """Launch a deferred step's sampler; grammar_bitmask i32[S, W] or None."""
+        if self.leader is not None:
+            self.leader.send("sample_tokens", grammar_bitmask)
+        self.runner.sample_tokens(handle, grammar_bitmask)
 
     def get_output(self, handle):
         """Wait for a launched step: (id -> SampleResult, id -> prompt logprob rows)."""

@@ -86,15 +86,18 @@ def leader() -> Leader | None:
 def follow(executor) -> int:
     """Replay the leader's steps on `executor` (built from the same config) until it
     stops. Returns the number of steps run."""
-    steps = 0
+    steps, handle = 0, None
     while True:
         kind, payload = pickle.loads(_broadcast(None))
         if kind == "stop":
             return steps
-        if kind != "execute":
+        if kind == "execute":      # (SchedulerOutput, requests, seeds, defer_sample)
+            handle = executor.execute_model(*payload)
+            steps += 1
+        elif kind == "sample_tokens":     # (grammar bitmask,) for the deferred step
+            executor.sample_tokens(handle, *payload)
+        else:
             raise RuntimeError(f"unknown message {kind!r} from the leader")
-        executor.execute_model(*payload)      # (SchedulerOutput, requests, seeds)
-        steps += 1
 
 
 def _broadcast(data: bytes | None) -> bytes:

@@ -33,30 +33,12 @@ from jaxllm.runner import executable_store, input_batch, kv_cache
 from jaxllm.runner.buckets import BucketPlan
 from jaxllm.runner.compilation import CompilationManager, Program
 from jaxllm.runner.step_inputs import StepInputs
+from jaxllm.runner.step_output import StepHandle, read_back, start_copies
 from jaxllm.runner.sampler import (SamplerOutput, SamplingMetadata, compute_logprobs,
                                    dummy_metadata, sample, warm_up_variants)
 from jaxllm.sampling_params import MAX_LOGPROBS
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class SampleResult:
-    token_id: int
-    logprob: float
-    rank: int
-    top_ids: list[int] | None = None      # best first, MAX_LOGPROBS long
-    top_logprobs: list[float] | None = None
-
-
-@dataclass
-class StepHandle:
-    """A launched step: what it ran and its device outputs, not read back yet."""
-    scheduled: list
-    requests: dict
-    sampled: SamplerOutput
-    num_logprobs: int
-    prompt_out: tuple | None
 
 
 def _forward(graphdef, treedef, spec, leaves, kv_caches, token_buf, inputs: StepInputs,
@@ -77,9 +59,9 @@ def _forward(graphdef, treedef, spec, leaves, kv_caches, token_buf, inputs: Step
     return logits, kv_caches, prompt
 
 
-def _sample_into(logits, md, flags, token_buf):
+def _sample_into(logits, md, flags, token_buf, bitmask=None):
     """Sample, and keep the sampled ids on the device for the next step's inputs."""
-    out = sample(logits, md, flags)
+    out = sample(logits, md, flags, bitmask)
     return out, jax.lax.dynamic_update_slice(token_buf, out.token_ids, (0,))
 
 
@@ -242,10 +224,11 @@ class ModelRunner:
         (the next step's inputs name the tokens not read back yet by those rows)."""
         self._prev_rows = {r.request_id: i for i, r in enumerate(scheduled) if r.do_sample}
 
-    def sample_step(self, logits, md, flags) -> SamplerOutput:
+    def sample_step(self, logits, md, flags, bitmask=None) -> SamplerOutput:
+        extra = () if bitmask is None else (bitmask,)
         out, self._token_buf = self._call(("sample", logits.shape[0], flags),
-                                          (logits, md, self._token_buf),
-                                          self._sample, (logits, md, flags, self._token_buf))
+                                          (logits, md, self._token_buf, *extra), self._sample,
+                                          (logits, md, flags, self._token_buf, *extra))
         return out
 
     def _call(self, key: tuple, args: tuple, jitted, jit_args: tuple):
@@ -259,10 +242,11 @@ class ModelRunner:
             return self._step_program(*key[1:])
         return self._sample_program(key[1], key[2])
 
-    def execute_model(self, scheduler_output, requests: dict,
-                      fallback_seeds: dict) -> StepHandle | None:
+    def execute_model(self, scheduler_output, requests: dict, fallback_seeds: dict,
+                      defer_sample: bool = False) -> StepHandle | None:
         """Launch one step (model and sampler) without waiting for it. `requests` maps
-        id -> Request; None when nothing is scheduled."""
+        id -> Request; None when nothing is scheduled. With `defer_sample` only the
+        model runs; sample_tokens launches the sampler with the grammar bitmask."""
         scheduled = scheduler_output.scheduled
         if not scheduled:
             return None
@@ -280,34 +264,31 @@ class ModelRunner:
             rows, self.arch.vocab_size,
             fallback_seeds=[fallback_seeds[q.request_id] for q in reqs],
             eos_token_ids=self._eos_ids())
-        out = self.sample_step(logits, md, flags)
-        self.remember_rows(scheduled)
-        for x in out:                       # start the copies back now
-            x.copy_to_host_async()
-        if prompt_out is not None:
-            for x in prompt_out:
-                x.copy_to_host_async()
-        return StepHandle(scheduled, requests, out, flags.num_logprobs, prompt_out)
+        handle = StepHandle(scheduled, requests, None, flags.num_logprobs, prompt_out,
+                            pending=(logits, md, flags))
+        if not defer_sample:
+            self.sample_tokens(handle, None)
+        return handle
+
+    def sample_tokens(self, handle: StepHandle, grammar_bitmask) -> None:
+        """Launch a step's sampler; grammar_bitmask: None or i32[N, W] (numpy), the
+        tokens each scheduled row may take (padded here to the sampler's S rows)."""
+        logits, md, flags = handle.pending
+        handle.pending = None
+        bitmask = None
+        if grammar_bitmask is not None:
+            flags = dataclasses.replace(flags, use_bitmask=True)
+            rows = logits.shape[0]
+            padded = np.full((rows, grammar_bitmask.shape[1]), -1, np.int32)
+            padded[:len(grammar_bitmask)] = grammar_bitmask
+            bitmask = jax.device_put(padded, self._replicated)
+        handle.sampled = self.sample_step(logits, md, flags, bitmask)
+        self.remember_rows(handle.scheduled)
+        start_copies(handle)
 
     def get_output(self, handle: StepHandle):
-        """Wait for a launched step: (id -> SampleResult for the requests whose chunk
-        reached the end of their tokens, id -> prompt logprob rows)."""
-        out = jax.device_get(handle.sampled)
-        scheduled, results = handle.scheduled, {}
-        for i, r in enumerate(scheduled):
-            if not r.do_sample:
-                continue
-            res = SampleResult(int(out.token_ids[i]), float(out.logprobs[i]),
-                               int(out.sampled_rank[i]))
-            if handle.num_logprobs:
-                res.top_ids = out.top_logprob_ids[i].tolist()
-                res.top_logprobs = out.top_logprobs[i].tolist()
-            results[r.request_id] = res
-        prompt = {}
-        if handle.prompt_out is not None:
-            prompt = input_batch.split_prompt_logprobs(scheduled, handle.requests,
-                                                 jax.device_get(handle.prompt_out))
-        return results, prompt
+        """Wait for a launched step: (id -> SampleResult, id -> prompt logprob rows)."""
+        return read_back(handle)
 
     def _eos_ids(self) -> tuple[int, ...]:
         return self.arch.eos_token_id
@@ -344,8 +325,13 @@ class ModelRunner:
 
     def _sample_program(self, s: int, flags) -> Program:
         logits, md = self._dummy_logits(s), dummy_metadata(s)
-        return Program(("sample", s, flags), (logits, md, self._token_buf),
-                                        self._sample, (logits, md, flags, self._token_buf))
+        extra = (self._dummy_bitmask(s),) if flags.use_bitmask else ()
+        return Program(("sample", s, flags), (logits, md, self._token_buf, *extra),
+                       self._sample, (logits, md, flags, self._token_buf, *extra))
+
+    def _dummy_bitmask(self, s: int):
+        return jax.device_put(np.full((s, -(-self.arch.vocab_size // 32)), -1, np.int32),
+                              self._replicated)
 
     def warm_up(self) -> float:
         """Have every bucket's program (model step and each sampler variant) compiled,
@@ -381,10 +367,9 @@ class ModelRunner:
                 except KVCacheLostError:      # replaced; the pool holds nothing yet
                     out = self.launch_step(self._dummy_arrays(t, s), decode_only)
             elif key[0] == "sample":
-                logits, md = self._dummy_logits(key[1]), dummy_metadata(key[1])
-                out, self._token_buf = self._call(key, (logits, md, self._token_buf),
-                                                  self._sample,
-                                                  (logits, md, key[2], self._token_buf))
+                bitmask = self._dummy_bitmask(key[1]) if key[2].use_bitmask else None
+                out = self.sample_step(self._dummy_logits(key[1]), dummy_metadata(key[1]),
+                                       key[2], bitmask)
         jax.block_until_ready((out, self.kv_caches))
 
     # ------------------------------------------------------------ swap

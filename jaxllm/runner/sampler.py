@@ -10,6 +10,8 @@ filters) pays neither for the [S, V] scatter-adds nor for the [S, V] sort.
 Order of operations is vLLM's: penalties on the raw logits, then greedy argmax
 (for temperature 0 rows), else temperature, min-p, top-k, top-p and a Gumbel-max
 draw. Logprobs are vLLM's default "raw" ones: log_softmax of the unprocessed logits.
+Structured outputs (``use_bitmask``) mask the logits first, so those rows' logprobs are
+the constrained distribution's (disallowed tokens at -inf).
 
 Randomness: a row's draw depends only on (seed, output_index), never on its row or
 on the rest of the batch, so a seeded request is reproducible however it is batched.
@@ -34,12 +36,15 @@ class SamplerFlags:
 
     num_logprobs: K, the top logprobs computed per row: 0 or MAX_LOGPROBS.
     all_greedy: every row has temperature 0, so no random numbers are drawn.
+    use_bitmask: a grammar bitmask i32[S, ceil(V/32)] comes with the logits (bit v of
+    row s set: token v allowed); batches without a constrained row pass none.
     """
 
     use_penalties: bool = False
     use_top_k_top_p_min_p: bool = False
     num_logprobs: int = 0
     all_greedy: bool = False
+    use_bitmask: bool = False
 
 
 @jax.tree_util.register_dataclass
@@ -129,9 +134,13 @@ class SamplerOutput(NamedTuple):
     sampled_rank: jax.Array
 
 
-def sample(logits: jax.Array, md: SamplingMetadata, flags: SamplerFlags) -> SamplerOutput:
-    """Sample one token per row. logits: [S, V] (any float dtype)."""
+def sample(logits: jax.Array, md: SamplingMetadata, flags: SamplerFlags,
+           bitmask: jax.Array | None = None) -> SamplerOutput:
+    """Sample one token per row. logits: [S, V] (any float dtype); bitmask: i32[S, W]
+    with ``flags.use_bitmask``."""
     logits = logits.astype(jnp.float32)
+    if flags.use_bitmask:
+        logits = apply_token_bitmask(logits, bitmask)
     raw_logits = logits
     if flags.use_penalties:
         logits = apply_penalties(logits, md)
@@ -161,6 +170,15 @@ def compute_logprobs(
         top_lps = jnp.zeros((logits.shape[0], 0), jnp.float32)
         top_ids = jnp.zeros((logits.shape[0], 0), jnp.int32)
     return chosen[:, 0], rank, top_ids.astype(jnp.int32), top_lps
+
+
+def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """-inf where the row's bit for the token is clear. bitmask i32[S, W], W*32 >= V;
+    an unconstrained row is all ones (-1)."""
+    s, v = logits.shape
+    bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+    allowed = bits.reshape(s, -1)[:, :v].astype(bool)
+    return jnp.where(allowed, logits, -jnp.inf)
 
 
 def apply_penalties(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
@@ -320,6 +338,9 @@ def warm_up_variants() -> list[SamplerFlags]:
         out.append(SamplerFlags(False, False, lp, True))
         out.append(SamplerFlags(False, False, lp, False))
         out.append(SamplerFlags(False, True, lp, False))
+    # Constrained batches, greedy or plain random; the rest compile on first use.
+    out.append(SamplerFlags(False, False, 0, True, use_bitmask=True))
+    out.append(SamplerFlags(False, False, 0, False, use_bitmask=True))
     return out
 
 

@@ -62,11 +62,13 @@ _WHAT = {"json": "JSON schema", "json_object": "JSON schema", "regex": "regular 
          "choice": "choice list", "grammar": "grammar (Lark or GBNF)"}
 
 
-def make_tokenizer(hf_tokenizer, vocab_size: int) -> llguidance.LLTokenizer:
+def make_tokenizer(hf_tokenizer, vocab_size: int,
+                   eos_token_id: int | None = None) -> llguidance.LLTokenizer:
     """llguidance's view of the engine tokenizer, masks `vocab_size` wide (the model's
     logits; ids the tokenizer lacks are never allowed). About a second at 150k tokens."""
     import llguidance.hf      # imports transformers: the engine's side only
-    return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size)
+    return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size,
+                                        eos_token=eos_token_id)
 
 
 def new_matcher(tokenizer: llguidance.LLTokenizer, spec: str) -> llguidance.LLMatcher:

@@ -1,0 +1,107 @@
+"""The engine's side of structured outputs: grammars compiled off the engine thread
+and cached by constraint, a matcher per request, and each step's token bitmask.
+
+A constrained request waits in the scheduler's queue while its grammar compiles (on
+this manager's thread; about a millisecond for a schema, so a new schema never stalls
+the running requests). Each step with a constrained row runs its model first; the
+engine core then reads back the previous step (whose tokens advance the matchers) and
+asks `grammar_bitmask` for this step's masks while the device computes the logits,
+so the masks cost no device time. Masks are i32[S, ceil(V/32)], bit v of row s set
+when token v is allowed; unconstrained rows are all ones.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+
+from jaxllm.structured_output import backend_guidance
+from jaxllm.structured_output.request import StructuredOutputRequest
+
+logger = logging.getLogger(__name__)
+
+MAX_CACHED_GRAMMARS = 1024
+
+
+class StructuredOutputManager:
+    def __init__(self, tokenizer, vocab_size: int, eos_token_id: int | None = None,
+                 num_threads: int | None = None):
+        self.vocab_size = vocab_size
+        self.mask_width = -(-vocab_size // 32)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="jaxllm-grammar")
+        # llguidance's view of the tokenizer takes ~1 s at 150k tokens: built on the
+        # grammar thread at start-up, so the first constrained request does not wait.
+        self._tokenizer = self._pool.submit(backend_guidance.make_tokenizer, tokenizer,
+                                            vocab_size, eos_token_id)
+        self._num_threads = num_threads
+        self._executor = None
+        self._grammars: OrderedDict[str, Future] = OrderedDict()
+        self._lock = threading.Lock()
+        # Prometheus counters (seconds): compiling grammars, computing masks.
+        self.compile_seconds = 0.0
+        self.mask_seconds = 0.0
+        self.num_compiled = 0
+
+    def new_request(self, request_id: str, params) -> StructuredOutputRequest:
+        """A request's grammar state; its grammar compiles now unless cached."""
+        key = params.key
+        with self._lock:
+            grammar = self._grammars.get(key)
+            if grammar is None or (grammar.done() and grammar.exception() is not None):
+                grammar = self._pool.submit(self._compile, params)
+                self._grammars[key] = grammar
+                while len(self._grammars) > MAX_CACHED_GRAMMARS:
+                    self._grammars.popitem(last=False)
+            self._grammars.move_to_end(key)
+        return StructuredOutputRequest(request_id, grammar)
+
+    def _compile(self, params):
+        t0 = time.perf_counter()
+        spec = backend_guidance.grammar_spec(params)
+        matcher = backend_guidance.new_matcher(self._tokenizer.result(), spec)
+        self.compile_seconds += time.perf_counter() - t0
+        self.num_compiled += 1
+        return matcher
+
+    def grammar_bitmask(self, scheduled, requests: dict) -> np.ndarray:
+        """i32[len(scheduled), W]: each sampling row's allowed next tokens. `requests`:
+        the live requests by id (one finished since it was scheduled keeps all ones)."""
+        t0 = time.perf_counter()
+        # A new buffer each step: the device copy of the last one may still read it.
+        mask = np.full((len(scheduled), self.mask_width), -1, np.int32)
+        pairs = []
+        for i, r in enumerate(scheduled):
+            req = requests.get(r.request_id)
+            grammar = req.structured_output_request if req is not None else None
+            if r.do_sample and grammar is not None and grammar.matcher is not None \
+                    and grammar.error is None:
+                pairs.append((grammar.matcher, i))
+        if pairs:
+            if self._executor is None:
+                import llguidance
+                self._executor = llguidance.LLExecutor(self._num_threads)
+            backend_guidance.fill_bitmask(self._executor, pairs, mask)
+        self.mask_seconds += time.perf_counter() - t0
+        return mask
+
+    def has_constrained(self, scheduled, requests: dict) -> bool:
+        for r in scheduled:
+            req = requests.get(r.request_id)
+            if r.do_sample and req is not None and req.structured_output_request is not None:
+                return True
+        return False
+
+    def wait_for_grammars(self, timeout: float) -> None:
+        """Block up to `timeout` s for a compiling grammar (when nothing else runs)."""
+        with self._lock:
+            pending = [g for g in self._grammars.values() if not g.done()]
+        if pending:
+            from concurrent.futures import FIRST_COMPLETED, wait
+            wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
