@@ -2,16 +2,23 @@
 
 Every model forbids unknown fields, so a field we do not implement is a 400 naming
 it, never silently dropped. OpenAI fields that clients commonly send with their
-default value (``tools: []``, ``response_format: {"type": "text"}``) are declared,
-and accepted only with that value (``DEFAULT_ONLY``).
+default value (``tools: []``, ``logit_bias: {}``) are declared, and accepted only
+with that value (``DEFAULT_ONLY``).
+
+A structured-output constraint comes in one of three spellings: OpenAI's
+``response_format``, vLLM's ``structured_outputs`` object, or vLLM's legacy
+``guided_*`` fields. A request gives at most one constraint; it becomes
+``SamplingParams.structured_outputs`` after the grammar library has checked it, so a
+bad schema, regex or grammar is a 400 naming the field as the client spelled it.
 """
 from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from jaxllm.entrypoints.openai.errors import APIError, bad_request
+from jaxllm.entrypoints.openai.structured_outputs import structured_outputs_params
 from jaxllm.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
@@ -35,6 +42,45 @@ class StreamOptions(OpenAIBaseModel):
     DEFAULT_ONLY: ClassVar[dict[str, tuple]] = {"include_obfuscation": (None, False)}
 
 
+class JsonSchemaResponseFormat(OpenAIBaseModel):
+    """``response_format.json_schema``. ``strict`` is accepted and changes nothing: the
+    schema is always enforced."""
+    name: str
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaResponseFormat | None = None
+
+    def check_supported(self) -> None:
+        if self.type != "json_schema":
+            if self.json_schema is not None:
+                raise bad_request("'response_format.json_schema' needs type 'json_schema'.",
+                                  param="response_format.json_schema")
+            return
+        missing = ("response_format.json_schema" if self.json_schema is None else
+                   "response_format.json_schema.schema"
+                   if self.json_schema.json_schema is None else None)
+        if missing:
+            raise bad_request(f"Missing required parameter: '{missing}'.", param=missing,
+                              code="missing_required_parameter")
+
+
+class StructuredOutputsRequest(OpenAIBaseModel):
+    """vLLM's ``structured_outputs`` field: StructuredOutputsParams' fields."""
+    json_: str | dict[str, Any] | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool | None = None
+    disable_additional_properties: bool | None = None
+    whitespace_pattern: str | None = None
+
+
 class _SamplingRequest(OpenAIBaseModel):
     """Fields shared by chat and completions: OpenAI's, then vLLM's extras."""
 
@@ -50,6 +96,7 @@ class _SamplingRequest(OpenAIBaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
     # vLLM's extras
     top_k: int | None = None
     min_p: float | None = None
@@ -59,6 +106,13 @@ class _SamplingRequest(OpenAIBaseModel):
     min_tokens: int | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None   # accepted and ignored, as vLLM does
 
     _SAMPLING_FIELDS: ClassVar[tuple[str, ...]] = (
         "n", "temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty",
@@ -74,6 +128,8 @@ class _SamplingRequest(OpenAIBaseModel):
                 raise bad_request("'stream_options' is only allowed when 'stream' is true.",
                                   param="stream_options")
             self.stream_options.check_supported()
+        if self.response_format is not None:
+            self.response_format.check_supported()
 
     @property
     def include_usage(self) -> bool:
@@ -84,7 +140,7 @@ class _SamplingRequest(OpenAIBaseModel):
         ``extra`` (passed as is); ValueError -> 400 naming the field."""
         kwargs = {name: getattr(self, name) for name in self._SAMPLING_FIELDS
                   if getattr(self, name) is not None}
-        kwargs.update(extra)
+        kwargs.update(extra, structured_outputs=structured_outputs_params(self))
         try:
             return SamplingParams(**kwargs)
         except ValueError as e:
@@ -130,7 +186,6 @@ class ChatCompletionRequest(_SamplingRequest):
     parallel_tool_calls: bool | None = None
     functions: list | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
     modalities: list[str] | None = None
     audio: Any = None
     prediction: Any = None
@@ -144,7 +199,7 @@ class ChatCompletionRequest(_SamplingRequest):
         **_SamplingRequest.DEFAULT_ONLY,
         "tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None,),
         "functions": (None, []), "function_call": (None, "none"),
-        "response_format": (None, {"type": "text"}), "modalities": (None, ["text"]),
+        "modalities": (None, ["text"]),
         "audio": (None,), "prediction": (None,), "store": (None, False), "metadata": (None,),
         "reasoning_effort": (None,), "service_tier": (None, "auto", "default"),
         "web_search_options": (None,),

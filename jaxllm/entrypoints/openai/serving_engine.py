@@ -63,7 +63,11 @@ class OpenAIServing:
                 raise engine_dead() from e
             if isinstance(e, ValueError):
                 code = "context_length_exceeded" if "maximum context length" in str(e) else None
-                raise bad_request(str(e), param=prompt_param, code=code) from e
+                # The front end checked the constraint; the engine may still refuse it
+                # with this vocabulary.
+                param = "structured_outputs" if str(e).startswith("structured_outputs") \
+                    else prompt_param
+                raise bad_request(str(e), param=param, code=code) from e
             raise
         return Generation(firsts, gens)
 
