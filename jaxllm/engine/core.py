@@ -6,9 +6,11 @@ step N+1 before it reads back step N, so the host's scheduling and input prepara
 overlap the device; each call returns the tokens of the step the previous call
 launched. Penalties read a request's output tokens on the host, so a step holding
 such a request is read back before the next one is scheduled. A step with a
-structured-output request launches its model, then reads the previous step back
-(advancing the grammars), then launches its sampler with the grammar bitmask: the
-masks are computed while the device runs the model.
+structured-output request launches its model, reads the previous step back (its
+tokens advance the grammars) and has its grammar bitmask computed on other threads
+while this one returns the outputs and schedules again; its sampler launches at the
+start of the next step, before the next model. The device runs the model meanwhile,
+so masks cost neither the device nor this thread.
 """
 from __future__ import annotations
 
@@ -42,6 +44,8 @@ class EngineCore:
         self.structured_output_manager = structured_output_manager
         self.seeds: dict[str, int] = {}     # request id -> its sampling seed
         self._in_flight: tuple[SchedulerOutput, Any] | None = None   # launched, not read
+        # A launched step whose sampler waits for its grammar bitmask: (handle, Future).
+        self._pending_mask: tuple[Any, Any] | None = None
 
     def add_request(self, request: Request, seed: int) -> None:
         self.seeds[request.request_id] = seed
@@ -65,12 +69,14 @@ class EngineCore:
         if previous is not None and not self._can_schedule_ahead(previous[0]):
             outputs, previous = self._update(*previous), None
         so = self.scheduler.schedule()
+        if previous is not None:
+            self._finish_sampling(previous[1])     # its sampler before the next model
         constrained = self._constrained(so)
         launched = self._launch(so, defer_sample=constrained)
         if previous is not None:
             outputs = self._update(*previous)
         if launched is not None and constrained:
-            self._sample_constrained(*launched)
+            self._start_masks(*launched)           # after the previous step's tokens
         if launched is None and previous is None and self.scheduler.has_unfinished_requests():
             self._wait_for_grammars()
         if launched is not None and self.async_scheduling:
@@ -90,12 +96,18 @@ class EngineCore:
         som = self.structured_output_manager
         return som is not None and som.has_constrained(so.scheduled, self.scheduler.requests)
 
-    def _sample_constrained(self, so: SchedulerOutput, handle) -> None:
-        """Launch the sampler of a step whose model is running, with the grammar
-        bitmask after the previous step's tokens."""
-        bitmask = self.structured_output_manager.grammar_bitmask(
+    def _start_masks(self, so: SchedulerOutput, handle) -> None:
+        """Have the grammar bitmask of a step whose model is running computed on the
+        manager's threads, while this thread goes on (the outputs, the next schedule)."""
+        self._pending_mask = handle, self.structured_output_manager.start_bitmask(
             so.scheduled, self.scheduler.requests)
-        self.executor.sample_tokens(handle, bitmask)
+
+    def _finish_sampling(self, handle) -> None:
+        """Launch the sampler of a step that waits for its grammar bitmask."""
+        if self._pending_mask is not None and self._pending_mask[0] is handle:
+            bitmask = self._pending_mask[1].result()
+            self._pending_mask = None
+            self.executor.sample_tokens(handle, bitmask)
 
     def _wait_for_grammars(self) -> None:
         """Nothing ran: the waiting requests may be held for their grammars."""
@@ -120,6 +132,7 @@ class EngineCore:
 
     def _update(self, so: SchedulerOutput, handle) -> EngineCoreOutputs:
         """Read a launched step back and advance the scheduler with its tokens."""
+        self._finish_sampling(handle)
         results, prompt_logprobs = self.executor.get_output(handle)
         updated = self.scheduler.update_from_output(
             so, {rid: r.token_id for rid, r in results.items()})

