@@ -216,3 +216,146 @@ def test_sdk_raises_bad_request_with_param(client):
         client.completions.create(model=MODEL, prompt="hi", max_tokens=2,
                                   extra_body={"guided_regex": BAD_REGEX})
     assert bad.value.body["param"] == "guided_regex"
+
+
+# -- Outputs that follow the constraint (the engine's masks, end to end). ---------------
+
+PHONE = r"[0-9]{3}-[0-9]{4}"
+CHOICES = ["yes", "no", "maybe"]
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
+          "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 12},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]},
+                                  "maxItems": 3}}}
+
+
+class City(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=16)
+    population_millions: int = pydantic.Field(ge=0, le=40)
+
+
+@pytest.fixture(scope="module")
+def default_client():
+    """A server on the default model (the embedded SmolLM2-135M-Instruct)."""
+    from jaxllm.config import engine_config_from_flat
+    from jaxllm.engine.async_llm import AsyncLLM
+    from jaxllm.entrypoints.openai.api_server import build_app, serve_in_background
+    config = engine_config_from_flat(max_model_len=512, max_num_seqs=8,
+                                     max_num_batched_tokens=128, enforce_eager=True,
+                                     served_model_name=(MODEL,))
+    engine = AsyncLLM.from_config(config, multiprocess=False)
+    try:
+        with serve_in_background(build_app(engine, config)) as url, openai.OpenAI(
+                base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300) as c:
+            yield c
+    finally:
+        engine.shutdown()
+
+
+def test_tiny_model_follows_constraints(client):
+    """Random weights at temperature 1: only the masks make the outputs conform."""
+    for seed in range(3):
+        out = client.completions.create(model=MODEL, prompt="the", max_tokens=40, n=2,
+                                        temperature=1, seed=seed,
+                                        extra_body={"guided_regex": PHONE})
+        assert all(re.fullmatch(PHONE, c.text) and c.finish_reason == "stop"
+                   for c in out.choices), out.choices
+        out = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=20,
+                                             temperature=1, seed=seed,
+                                             extra_body={"guided_choice": CHOICES})
+        assert out.choices[0].message.content in CHOICES
+        out = client.completions.create(
+            model=MODEL, prompt="the", max_tokens=200, temperature=1, seed=seed,
+            extra_body={"structured_outputs": {"json": PERSON, "disable_any_whitespace": True}})
+        assert out.choices[0].finish_reason == "stop", out.choices[0]
+        Draft202012Validator(PERSON).validate(json.loads(out.choices[0].text))
+
+
+def test_engine_process_follows_constraints(server_config, client):
+    """As `jaxllm serve` runs: the engine in its own process; the same outputs as the
+    in-thread engine for the same seeds."""
+    from jaxllm.engine.async_llm import AsyncLLM
+    from jaxllm.entrypoints.openai.api_server import build_app, serve_in_background
+    engine = AsyncLLM.from_config(server_config, multiprocess=True)
+    try:
+        with serve_in_background(build_app(engine, server_config)) as url, openai.OpenAI(
+                base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120) as mp:
+            for seed, extra in enumerate([{"guided_regex": PHONE},
+                                          {"structured_outputs": {"choice": CHOICES}}]):
+                kwargs = dict(model=MODEL, prompt="the", max_tokens=20, temperature=1,
+                              seed=seed, extra_body=extra)
+                text = mp.completions.create(**kwargs).choices[0].text
+                assert re.fullmatch(PHONE, text) or text in CHOICES, text
+                assert text == client.completions.create(**kwargs).choices[0].text
+    finally:
+        engine.shutdown()
+
+
+def test_sdk_parse_gives_a_pydantic_object(default_client):
+    completion = default_client.chat.completions.parse(
+        model=MODEL, response_format=City, max_tokens=100, temperature=0,
+        messages=[{"role": "user", "content": "Name a city in France, as JSON."}])
+    parsed = completion.choices[0].message.parsed
+    assert isinstance(parsed, City), completion.choices[0].message.content
+    assert completion.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("field", ["guided_regex", "structured_outputs"])
+def test_regex_output_full_matches(default_client, field):
+    extra = {"guided_regex": PHONE} if field == "guided_regex" else \
+        {"structured_outputs": {"regex": PHONE}}
+    for seed in range(3):
+        chat = default_client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Give me a phone number."}],
+            max_tokens=30, temperature=1, seed=seed, extra_body=extra)
+        assert re.fullmatch(PHONE, chat.choices[0].message.content), chat.choices[0]
+        text = default_client.completions.create(
+            model=MODEL, prompt="Call me at", max_tokens=30, temperature=1, seed=seed,
+            extra_body=extra).choices[0].text
+        assert re.fullmatch(PHONE, text), text
+
+
+def test_choice_output_is_one_of_the_choices(default_client):
+    for seed in range(3):
+        for extra in ({"guided_choice": CHOICES}, {"structured_outputs": {"choice": CHOICES}}):
+            chat = default_client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "Is the sky blue?"}],
+                max_tokens=10, temperature=1, seed=seed, extra_body=extra)
+            assert chat.choices[0].message.content in CHOICES
+            assert chat.choices[0].finish_reason == "stop"
+
+
+def test_stream_equals_whole_for_a_seed(default_client):
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "A person, as JSON."}],
+                  max_tokens=80, temperature=1, seed=7,
+                  response_format=json_schema_format(PERSON))
+    whole = default_client.chat.completions.create(**kwargs).choices[0]
+    chunks = [c for c in default_client.chat.completions.create(stream=True, **kwargs)
+              if c.choices]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.message.content
+    assert chunks[-1].choices[0].finish_reason == whole.finish_reason
+    if whole.finish_reason == "stop":
+        Draft202012Validator(PERSON).validate(json.loads(whole.message.content))
+
+
+def test_completions_json_schema_validates(default_client):
+    finished = 0
+    for seed in range(4):
+        choice = default_client.completions.create(
+            model=MODEL, prompt="A person, as JSON:", max_tokens=120, temperature=1,
+            seed=seed, extra_body={"structured_outputs": {"json": PERSON}}).choices[0]
+        if choice.finish_reason == "stop":
+            Draft202012Validator(PERSON).validate(json.loads(choice.text))
+            finished += 1
+    assert finished >= 3
+
+
+def test_json_object_output_is_an_object(default_client):
+    choice = default_client.chat.completions.create(
+        model=MODEL, max_tokens=120, temperature=0, response_format={"type": "json_object"},
+        messages=[{"role": "user",
+                   "content": "Describe a person (name and age) as a JSON object."}],
+        extra_body={"structured_outputs": {"disable_any_whitespace": True}}).choices[0]
+    assert choice.finish_reason == "stop", choice
+    assert isinstance(json.loads(choice.message.content), dict)
+    assert not re.search(r"[\n\t]", choice.message.content)   # no whitespace between tokens
