@@ -14,6 +14,7 @@ so masks cost neither the device nor this thread.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -69,10 +70,12 @@ class EngineCore:
         if previous is not None and not self._can_schedule_ahead(previous[0]):
             outputs, previous = self._update(*previous), None
         so = self.scheduler.schedule()
-        if previous is not None:
-            self._finish_sampling(previous[1])     # its sampler before the next model
         constrained = self._constrained(so)
-        launched = self._launch(so, defer_sample=constrained)
+        # A sampler waiting for its bitmask launches once this step's inputs are ready,
+        # before this step's model (which reads its tokens).
+        finish = None if self._pending_mask is None else functools.partial(
+            self._finish_sampling, self._pending_mask[0])
+        launched = self._launch(so, constrained, finish)
         if previous is not None:
             outputs = self._update(*previous)
         if launched is not None and constrained:
@@ -114,7 +117,7 @@ class EngineCore:
         if self.structured_output_manager is not None:
             self.structured_output_manager.wait_for_grammars(0.05)
 
-    def _launch(self, so: SchedulerOutput, defer_sample: bool = False):
+    def _launch(self, so: SchedulerOutput, defer_sample: bool = False, before_dispatch=None):
         if not so.scheduled:
             return None
         now = time.time()
@@ -123,7 +126,8 @@ class EngineCore:
             req.first_scheduled_time = req.first_scheduled_time or now
         try:
             return so, self.executor.execute_model(
-                so, requests, {rid: self.seeds[rid] for rid in requests}, defer_sample)
+                so, requests, {rid: self.seeds[rid] for rid in requests}, defer_sample,
+                before_dispatch)
         except KVCacheLostError as e:
             logger.warning("%s: %d running requests compute their KV again", e,
                            self.scheduler.num_running)

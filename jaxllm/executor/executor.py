@@ -61,16 +61,22 @@ class Executor:
         return self.runner.warm_up()
 
     def execute_model(self, scheduler_output, requests: dict, seeds: dict,
-                      defer_sample: bool = False):
+                      defer_sample: bool = False, before_dispatch=None):
         """Launch one step (swaps, model, sampler) without waiting for it; a handle
         for get_output, or None when nothing is scheduled. With `defer_sample` the
         sampler waits for sample_tokens (structured outputs: the grammar bitmask is
-        computed from the previous step's tokens while this step's model runs)."""
-        if self.leader is not None and scheduler_output.scheduled:
-            self.leader.send("execute", scheduler_output, requests, seeds, defer_sample)
+        computed from the previous step's tokens while this step's model runs).
+        `before_dispatch()`: see ModelRunner.execute_model."""
+        def dispatch():
+            if before_dispatch is not None:
+                before_dispatch()
+            if self.leader is not None:     # after what before_dispatch sent
+                self.leader.send("execute", scheduler_output, requests, seeds, defer_sample)
         self.runner.swap_out(scheduler_output.blocks_to_swap_out, self.host_pool)
         self.runner.swap_in(scheduler_output.blocks_to_swap_in, self.host_pool)
-        return self.runner.execute_model(scheduler_output, requests, seeds, defer_sample)
+        hook = dispatch if before_dispatch is not None or self.leader is not None else None
+        return self.runner.execute_model(scheduler_output, requests, seeds, defer_sample,
+                                         hook)
 
     def sample_tokens(self, handle, grammar_bitmask) -> None:
         """Launch a deferred step's sampler; grammar_bitmask i32[S, W] or None."""

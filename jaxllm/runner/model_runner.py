@@ -243,32 +243,43 @@ class ModelRunner:
         return self._sample_program(key[1], key[2])
 
     def execute_model(self, scheduler_output, requests: dict, fallback_seeds: dict,
-                      defer_sample: bool = False) -> StepHandle | None:
+                      defer_sample: bool = False, before_dispatch=None) -> StepHandle | None:
         """Launch one step (model and sampler) without waiting for it. `requests` maps
         id -> Request; None when nothing is scheduled. With `defer_sample` only the
-        model runs; sample_tokens launches the sampler with the grammar bitmask."""
+        model runs; sample_tokens launches the sampler with the grammar bitmask.
+        `before_dispatch()` runs once the host inputs are ready, just before the model
+        is launched (the engine core launches the previous step's deferred sampler
+        there: this step's inputs read its tokens)."""
         scheduled = scheduler_output.scheduled
         if not scheduled:
             return None
         arrays, decode_only, rows = self.prepare_inputs(scheduled)
         targets = input_batch.prompt_targets(scheduled, requests, len(arrays["input_ids"]))
+        reqs = [requests[r.request_id] for r in scheduled]
+        sampling = None
+        if before_dispatch is not None:
+            sampling = self._sampling_metadata(scheduled, reqs, rows, fallback_seeds)
+            before_dispatch()
         prompt_out = None
         if targets is not None:
             logits, prompt_out = self.launch_step(arrays, decode_only, targets)
         else:
             logits = self.launch_step(arrays, decode_only)
-        reqs = [requests[r.request_id] for r in scheduled]
-        md, flags = SamplingMetadata.from_params(
-            [q.sampling_params for q in reqs], [r.output_index for r in scheduled],
-            [q.prompt_token_ids for q in reqs], [q.output_token_ids for q in reqs],
-            rows, self.arch.vocab_size,
-            fallback_seeds=[fallback_seeds[q.request_id] for q in reqs],
-            eos_token_ids=self._eos_ids())
+        md, flags = sampling or self._sampling_metadata(scheduled, reqs, rows, fallback_seeds)
+        self.remember_rows(scheduled)     # where the next step's inputs find its tokens
         handle = StepHandle(scheduled, requests, None, flags.num_logprobs, prompt_out,
                             pending=(logits, md, flags))
         if not defer_sample:
             self.sample_tokens(handle, None)
         return handle
+
+    def _sampling_metadata(self, scheduled, reqs, rows: int, fallback_seeds: dict):
+        return SamplingMetadata.from_params(
+            [q.sampling_params for q in reqs], [r.output_index for r in scheduled],
+            [q.prompt_token_ids for q in reqs], [q.output_token_ids for q in reqs],
+            rows, self.arch.vocab_size,
+            fallback_seeds=[fallback_seeds[q.request_id] for q in reqs],
+            eos_token_ids=self._eos_ids())
 
     def sample_tokens(self, handle: StepHandle, grammar_bitmask) -> None:
         """Launch a step's sampler; grammar_bitmask: None or i32[N, W] (numpy), the
@@ -283,7 +294,6 @@ class ModelRunner:
             padded[:len(grammar_bitmask)] = grammar_bitmask
             bitmask = jax.device_put(padded, self._replicated)
         handle.sampled = self.sample_step(logits, md, flags, bitmask)
-        self.remember_rows(handle.scheduled)
         start_copies(handle)
 
     def get_output(self, handle: StepHandle):

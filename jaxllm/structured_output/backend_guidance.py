@@ -27,11 +27,10 @@ def grammar_spec(params: StructuredOutputsParams) -> str:
         options: dict = {"whitespace_flexible": not params.disable_any_whitespace}
         if params.whitespace_pattern is not None:
             options["whitespace_pattern"] = params.whitespace_pattern
-        overrides = {"additionalProperties": False} \
-            if params.disable_additional_properties else None
+        if params.disable_additional_properties:
+            schema = _no_additional_properties(schema)
         try:
-            return llguidance.LLMatcher.grammar_from_json_schema(
-                schema, defaults=options, overrides=overrides)
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
         except (ValueError, TypeError) as e:
             raise ValueError(f"structured_outputs.json: {e}") from None
     if kind == "regex":
@@ -52,10 +51,25 @@ def validate(params: StructuredOutputsParams) -> str:
     spec = grammar_spec(params)
     error = llguidance.LLMatcher.validate_grammar(spec)
     if error:
-        first = error.strip().splitlines()[0] if error.strip() else error
+        # The first line says where; a regex's reason is on an "error:" line below.
+        lines = [x.strip() for x in error.strip().splitlines()] or [error]
+        reason = " ".join([lines[0]] + [x for x in lines[1:] if x.startswith("error:")])
         raise ValueError(f"structured_outputs.{params.kind} is not a valid "
-                         f"{_WHAT[params.kind]}: {first[:300]}")
+                         f"{_WHAT[params.kind]}: {reason[:300]}")
     return spec
+
+
+def _no_additional_properties(schema):
+    """The schema with additionalProperties false on every object schema that leaves
+    it unset (vLLM's disable_additional_properties)."""
+    if isinstance(schema, list):
+        return [_no_additional_properties(x) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _no_additional_properties(v) for k, v in schema.items()}
+    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 _WHAT = {"json": "JSON schema", "json_object": "JSON schema", "regex": "regular expression",

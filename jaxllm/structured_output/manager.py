@@ -12,6 +12,7 @@ when token v is allowed; unconstrained rows are all ones.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -42,7 +43,9 @@ class StructuredOutputManager:
         # Masks on a thread of their own (llguidance's threads under it drop the GIL),
         # never queued behind a grammar compile.
         self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="jaxllm-masks")
-        self._grammars: OrderedDict[str, Future] = OrderedDict()
+        # key -> [requests so far, compiled copies (Futures of pristine matchers)]
+        self._grammars: OrderedDict[str, list] = OrderedDict()
+        self.copies = max(1, min(16, os.cpu_count() or 1))
         self._lock = threading.Lock()
         # Prometheus counters (seconds): compiling grammars, computing masks.
         self.compile_seconds = 0.0
@@ -57,16 +60,24 @@ class StructuredOutputManager:
         self._tokenizer = done
 
     def new_request(self, request_id: str, params) -> StructuredOutputRequest:
-        """A request's grammar state; its grammar compiles now unless cached."""
+        """A request's grammar state; its grammar compiles now unless cached.
+
+        A grammar is compiled up to `copies` times, and requests take copies of them
+        in turn: the matchers copied from one compiled grammar share its lexer behind
+        one lock, so masks of one schema's rows computed in parallel need several."""
         key = params.key
         with self._lock:
-            grammar = self._grammars.get(key)
-            if grammar is None or (grammar.done() and grammar.exception() is not None):
-                grammar = self._pool.submit(self._compile, params)
-                self._grammars[key] = grammar
+            entry = self._grammars.get(key)
+            if entry is None or any(f.done() and f.exception() is not None for f in entry[1]):
+                entry = self._grammars[key] = [0, []]
                 while len(self._grammars) > MAX_CACHED_GRAMMARS:
                     self._grammars.popitem(last=False)
             self._grammars.move_to_end(key)
+            turn, compiled = entry[0] % self.copies, entry[1]
+            entry[0] += 1
+            if turn == len(compiled):
+                compiled.append(self._pool.submit(self._compile, params))
+            grammar = compiled[turn]
         return StructuredOutputRequest(request_id, grammar)
 
     def _compile(self, params):
@@ -121,7 +132,8 @@ class StructuredOutputManager:
     def wait_for_grammars(self, timeout: float) -> None:
         """Block up to `timeout` s for a compiling grammar (when nothing else runs)."""
         with self._lock:
-            pending = [g for g in self._grammars.values() if not g.done()]
+            pending = [g for _, copies in self._grammars.values() for g in copies
+                       if not g.done()]
         if pending:
             from concurrent.futures import FIRST_COMPLETED, wait
             wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)
