@@ -71,8 +71,7 @@ def smollm_lltokenizer():
 
 def mask_cost(lltok, rows: int = 256, steps: int = 64, schema=SCHEMA) -> dict:
     """Seconds per mask along a JSON document: one row alone, and `rows` rows per step
-    on llguidance's threads (each row at its own position of the document)."""
-    import llguidance
+    as the engine computes them (each row at its own position of the document)."""
     import llguidance.numpy as lnp
     from jaxllm.sampling_params import StructuredOutputsParams
     from jaxllm.structured_output import backend_guidance
@@ -94,11 +93,11 @@ def mask_cost(lltok, rows: int = 256, steps: int = 64, schema=SCHEMA) -> dict:
         m = base.deep_copy()
         assert m.consume_tokens(tokens[:i % 32])
         matchers.append(m)
-    ex = llguidance.LLExecutor()
+    filler = backend_guidance.MaskFiller(min(16, os.cpu_count() or 1))   # the engine's
     batch = []
     for k in range(8):
         t = time.perf_counter()
-        lnp.fill_next_token_bitmask_par(ex, [(m, i) for i, m in enumerate(matchers)], mask)
+        filler.fill([(m, i) for i, m in enumerate(matchers)], mask)
         batch.append(time.perf_counter() - t)
         for i, m in enumerate(matchers):
             m.consume_token(tokens[i % 32 + k])

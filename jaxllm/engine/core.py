@@ -100,10 +100,12 @@ class EngineCore:
         return som is not None and som.has_constrained(so.scheduled, self.scheduler.requests)
 
     def _start_masks(self, so: SchedulerOutput, handle) -> None:
-        """Have the grammar bitmask of a step whose model is running computed on the
-        manager's threads, while this thread goes on (the outputs, the next schedule)."""
+        """Have the grammar bitmask of a step whose model is running computed (and
+        copied to the device) on the manager's threads, while this thread goes on (the
+        outputs, the next schedule and inputs)."""
         self._pending_mask = handle, self.structured_output_manager.start_bitmask(
-            so.scheduled, self.scheduler.requests)
+            so.scheduled, self.scheduler.requests, self.executor.sampler_rows(handle),
+            self.executor.upload_bitmask)
 
     def _finish_sampling(self, handle) -> None:
         """Launch the sampler of a step that waits for its grammar bitmask."""

@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 import time
 
+import numpy as np
+
 from jaxllm.config import (EngineConfig, check_against_model, check_device_count,
                            effective_max_model_len)
 # Imported with this module, not in Executor(): LLMEngine imports it before it starts
@@ -79,10 +81,20 @@ class Executor:
                                          hook)
 
     def sample_tokens(self, handle, grammar_bitmask) -> None:
-        """Launch a deferred step's sampler; grammar_bitmask i32[S, W] or None."""
+        """Launch a deferred step's sampler; grammar_bitmask: i32[S, W] (host or
+        upload_bitmask's) or None."""
         if self.leader is not None:
-            self.leader.send("sample_tokens", grammar_bitmask)
+            self.leader.send("sample_tokens", None if grammar_bitmask is None
+                             else np.asarray(grammar_bitmask))
         self.runner.sample_tokens(handle, grammar_bitmask)
+
+    def sampler_rows(self, handle) -> int:
+        return self.runner.sampler_rows(handle)
+
+    def upload_bitmask(self, bitmask):
+        """On one process: the bitmask on the device (callable from any thread).
+        Multi-host: left on the host, where it is broadcast to the followers."""
+        return bitmask if self.leader is not None else self.runner.upload_bitmask(bitmask)
 
     def get_output(self, handle):
         """Wait for a launched step: (id -> SampleResult, id -> prompt logprob rows)."""

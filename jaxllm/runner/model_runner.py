@@ -282,19 +282,31 @@ class ModelRunner:
             eos_token_ids=self._eos_ids())
 
     def sample_tokens(self, handle: StepHandle, grammar_bitmask) -> None:
-        """Launch a step's sampler; grammar_bitmask: None or i32[N, W] (numpy), the
-        tokens each scheduled row may take (padded here to the sampler's S rows)."""
+        """Launch a step's sampler; grammar_bitmask: None, or i32[N, W] (numpy; the
+        tokens each scheduled row may take, padded here to the sampler's S rows), or
+        upload_bitmask's array of S rows."""
         logits, md, flags = handle.pending
         handle.pending = None
-        bitmask = None
-        if grammar_bitmask is not None:
+        bitmask = grammar_bitmask
+        if bitmask is not None:
             flags = dataclasses.replace(flags, use_bitmask=True)
-            rows = logits.shape[0]
-            padded = np.full((rows, grammar_bitmask.shape[1]), -1, np.int32)
-            padded[:len(grammar_bitmask)] = grammar_bitmask
-            bitmask = jax.device_put(padded, self._replicated)
+            if isinstance(bitmask, np.ndarray):
+                if len(bitmask) < logits.shape[0]:
+                    padded = np.full((logits.shape[0], bitmask.shape[1]), -1, np.int32)
+                    padded[:len(bitmask)] = bitmask
+                    bitmask = padded
+                bitmask = self.upload_bitmask(bitmask)
         handle.sampled = self.sample_step(logits, md, flags, bitmask)
         start_copies(handle)
+
+    def sampler_rows(self, handle: StepHandle) -> int:
+        """S, the rows of a launched step's sampler (its bitmask's height)."""
+        return handle.pending[0].shape[0]
+
+    def upload_bitmask(self, bitmask: np.ndarray):
+        """A host bitmask i32[S, W] on the device, as the sampler takes it (callable
+        from any thread: the structured-output manager uploads from its own)."""
+        return jax.device_put(bitmask, self._replicated)
 
     def get_output(self, handle: StepHandle):
         """Wait for a launched step: (id -> SampleResult, id -> prompt logprob rows)."""

@@ -92,8 +92,31 @@ def new_matcher(tokenizer: llguidance.LLTokenizer, spec: str) -> llguidance.LLMa
     return matcher
 
 
-def fill_bitmask(executor: llguidance.LLExecutor, rows: list[tuple], bitmask: np.ndarray):
-    """Each (matcher, row)'s mask of allowed next tokens into bitmask i32[S, W], on
-    llguidance's threads (the GIL dropped)."""
-    if rows:
-        llguidance.numpy.fill_next_token_bitmask_par(executor, rows, bitmask)
+class MaskFiller:
+    """Masks of many rows at once, split over `threads` threads, each with its own
+    one-thread LLExecutor (the GIL dropped while it works). One LLExecutor with many
+    threads did not scale: 256 rows at the Qwen vocabulary took 2.95 ms on two
+    threads against 2.38 ms serially, and 1.29 ms split this way."""
+
+    MIN_ROWS_PER_THREAD = 8
+
+    def __init__(self, threads: int):
+        from concurrent.futures import ThreadPoolExecutor
+        self.executors = [llguidance.LLExecutor(1) for _ in range(max(1, threads))]
+        self._pool = ThreadPoolExecutor(len(self.executors),
+                                        thread_name_prefix="jaxllm-mask-rows")
+
+    def fill(self, rows: list[tuple], bitmask: np.ndarray) -> None:
+        """Each (matcher, row)'s allowed next tokens into bitmask i32[S, W]."""
+        k = min(len(self.executors), len(rows) // self.MIN_ROWS_PER_THREAD)
+        if k <= 1:
+            if rows:
+                llguidance.numpy.fill_next_token_bitmask_par(self.executors[0], rows, bitmask)
+            return
+        jobs = [self._pool.submit(llguidance.numpy.fill_next_token_bitmask_par,
+                                  self.executors[j], rows[j::k], bitmask) for j in range(k)]
+        for job in jobs:
+            job.result()
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -38,8 +38,8 @@ class StructuredOutputManager:
         # grammar thread at start-up, so the first constrained request does not wait.
         self._tokenizer = self._pool.submit(backend_guidance.make_tokenizer, tokenizer,
                                             vocab_size, eos_token_id)
-        self._num_threads = num_threads
-        self._executor = None
+        self._num_threads = num_threads or max(1, min(16, os.cpu_count() or 1))
+        self._filler = None
         # Masks on a thread of their own (llguidance's threads under it drop the GIL),
         # never queued behind a grammar compile.
         self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="jaxllm-masks")
@@ -88,11 +88,17 @@ class StructuredOutputManager:
         self.num_compiled += 1
         return matcher
 
-    def start_bitmask(self, scheduled, requests: dict) -> Future:
-        """grammar_bitmask computed on the mask thread. The rows' matchers are taken
-        now; none of them may advance until the result is read."""
+    def start_bitmask(self, scheduled, requests: dict, rows: int | None = None,
+                      upload=None) -> Future:
+        """grammar_bitmask computed on the mask thread, `rows` high (>= the scheduled
+        rows; the rest all ones), then `upload(mask)`'s result (the device copy) when
+        given. The rows' matchers are taken now; none may advance until it is read."""
         pairs = self._rows(scheduled, requests)
-        return self._mask_pool.submit(self._fill, pairs, len(scheduled))
+
+        def job():
+            mask = self._fill(pairs, rows or len(scheduled))
+            return mask if upload is None else upload(mask)
+        return self._mask_pool.submit(job)
 
     def grammar_bitmask(self, scheduled, requests: dict) -> np.ndarray:
         """i32[len(scheduled), W]: each sampling row's allowed next tokens. `requests`:
@@ -115,10 +121,9 @@ class StructuredOutputManager:
         # A new buffer each step: the device copy of the last one may still read it.
         mask = np.full((rows, self.mask_width), -1, np.int32)
         if pairs:
-            if self._executor is None:
-                import llguidance
-                self._executor = llguidance.LLExecutor(self._num_threads)
-            backend_guidance.fill_bitmask(self._executor, pairs, mask)
+            if self._filler is None:
+                self._filler = backend_guidance.MaskFiller(self._num_threads)
+            self._filler.fill(pairs, mask)
         self.mask_seconds += time.perf_counter() - t0
         return mask
 
@@ -141,3 +146,5 @@ class StructuredOutputManager:
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._mask_pool.shutdown(wait=False, cancel_futures=True)
+        if self._filler is not None:
+            self._filler.shutdown()
