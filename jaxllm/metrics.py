@@ -41,6 +41,12 @@ _COUNTERS = (
     ("generation_tokens_total", "generation_tokens", "Tokens generated."),
     ("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the cache."),
     ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+    ("grammar_mask_seconds", "structured_output_mask_seconds",
+     "Seconds computing structured outputs' token masks (off the engine thread)."),
+    ("grammar_compile_seconds", "structured_output_compile_seconds",
+     "Seconds compiling structured outputs' grammars (off the engine thread)."),
+    ("grammars_compiled", "structured_output_grammars_compiled",
+     "Structured outputs' grammars compiled (a cached one is not compiled again)."),
 )
 
 

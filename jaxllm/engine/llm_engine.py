@@ -39,6 +39,10 @@ class EngineStats:
     prefix_cache_hits: int
     num_free_blocks: int
     num_total_blocks: int
+    # Structured outputs: seconds computing token masks and compiling grammars.
+    grammar_mask_seconds: float = 0.0
+    grammar_compile_seconds: float = 0.0
+    grammars_compiled: int = 0
 
 
 class LLMEngine:
@@ -224,6 +228,7 @@ class LLMEngine:
     def get_stats(self) -> EngineStats:
         scheduler = self.scheduler
         pool = scheduler.block_pool
+        som = self.engine_core.structured_output_manager
         return EngineStats(
             num_running=scheduler.num_running,
             num_waiting=scheduler.num_waiting + scheduler.num_swapped,
@@ -235,4 +240,6 @@ class LLMEngine:
             prefix_cache_hits=pool.prefix_cache_hits,
             num_free_blocks=pool.get_num_free_blocks(),
             # The null block is never handed out.
-            num_total_blocks=self.executor.num_gpu_blocks - 1)
+            num_total_blocks=self.executor.num_gpu_blocks - 1,
+            grammar_mask_seconds=som.mask_seconds, grammar_compile_seconds=som.compile_seconds,
+            grammars_compiled=som.num_compiled)

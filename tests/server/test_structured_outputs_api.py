@@ -359,3 +359,17 @@ def test_json_object_output_is_an_object(default_client):
     assert choice.finish_reason == "stop", choice
     assert isinstance(json.loads(choice.message.content), dict)
     assert not re.search(r"[\n\t]", choice.message.content)   # no whitespace between tokens
+
+
+def test_metrics_count_grammars_and_mask_time(client):
+    """Prometheus exposes the grammar compiles and the seconds spent on masks."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+    client.completions.create(model=MODEL, prompt="the", max_tokens=8, temperature=1, seed=5,
+                              extra_body={"guided_regex": "[0-9]{6}"})
+    base = str(client.base_url).rstrip("/").removesuffix("/v1")
+    samples = {s.name: s.value for f in text_string_to_metric_families(
+        httpx.get(f"{base}/metrics").text) for s in f.samples}
+    assert samples["jaxllm:structured_output_grammars_compiled_total"] >= 1
+    assert samples["jaxllm:structured_output_mask_seconds_total"] > 0
+    assert samples["jaxllm:structured_output_compile_seconds_total"] > 0
