@@ -14,6 +14,12 @@ from server_helpers import validate
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CURL_EXAMPLE = ROOT / "docs" / "openai_examples.sh"
 SDK_EXAMPLE = ROOT / "docs" / "openai_example.py"
+STRUCTURED_CURL = ROOT / "docs" / "structured_outputs.sh"
+STRUCTURED_SDK = ROOT / "docs" / "structured_outputs.py"
+CITY = {"type": "object", "additionalProperties": False,
+        "properties": {"name": {"type": "string", "maxLength": 24},
+                       "population_millions": {"type": "integer", "minimum": 0, "maximum": 40}},
+        "required": ["name", "population_millions"]}
 
 
 def _run(args: list[str], server_url: str) -> str:
@@ -46,5 +52,38 @@ def test_readme_includes_examples_verbatim():
     if not readme.exists():
         pytest.skip("no README.md yet")
     text = readme.read_text()
-    for example in (CURL_EXAMPLE, SDK_EXAMPLE):
+    for example in (CURL_EXAMPLE, SDK_EXAMPLE, STRUCTURED_CURL, STRUCTURED_SDK):
         assert example.read_text().strip() in text, f"README.md lacks {example.name} verbatim"
+
+
+@pytest.fixture(scope="module")
+def default_model_url():
+    """A server on the default model, which the structured-output examples name."""
+    from jaxllm.config import engine_config_from_flat
+    from jaxllm.engine.async_llm import AsyncLLM
+    from jaxllm.entrypoints.openai.api_server import build_app, serve_in_background
+    config = engine_config_from_flat(max_model_len=512, max_num_seqs=4,
+                                     max_num_batched_tokens=128, enforce_eager=True)
+    engine = AsyncLLM.from_config(config, multiprocess=False)
+    try:
+        with serve_in_background(build_app(engine, config)) as url:
+            yield url
+    finally:
+        engine.shutdown()
+
+
+def test_structured_outputs_curl_example(default_model_url):
+    from jsonschema import Draft202012Validator
+    schema_reply, choice_reply = map(json.loads, _run(["bash", str(STRUCTURED_CURL)],
+                                                     default_model_url).splitlines())
+    for reply in (schema_reply, choice_reply):
+        validate("CreateChatCompletionResponse", reply)
+    Draft202012Validator(CITY).validate(
+        json.loads(schema_reply["choices"][0]["message"]["content"]))
+    assert choice_reply["choices"][0]["message"]["content"] in ("yes", "no")
+
+
+def test_structured_outputs_sdk_example(default_model_url):
+    name, population = _run([sys.executable, str(STRUCTURED_SDK)],
+                            default_model_url).strip().rsplit(" ", 1)
+    assert name and 0 <= int(population) <= 40
