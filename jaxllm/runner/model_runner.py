@@ -244,12 +244,10 @@ class ModelRunner:
 
     def execute_model(self, scheduler_output, requests: dict, fallback_seeds: dict,
                       defer_sample: bool = False, before_dispatch=None) -> StepHandle | None:
-        """Launch one step (model and sampler) without waiting for it. `requests` maps
-        id -> Request; None when nothing is scheduled. With `defer_sample` only the
-        model runs; sample_tokens launches the sampler with the grammar bitmask.
-        `before_dispatch()` runs once the host inputs are ready, just before the model
-        is launched (the engine core launches the previous step's deferred sampler
-        there: this step's inputs read its tokens)."""
+        """Launch one step (model and sampler) without waiting for it; None when nothing
+        is scheduled. `defer_sample`: the model only (sample_tokens follows, with the
+        grammar bitmask). `before_dispatch()` runs just before the model launches, its
+        host inputs ready (the engine core launches the previous deferred sampler there)."""
         scheduled = scheduler_output.scheduled
         if not scheduled:
             return None
@@ -282,9 +280,8 @@ class ModelRunner:
             eos_token_ids=self._eos_ids())
 
     def sample_tokens(self, handle: StepHandle, grammar_bitmask) -> None:
-        """Launch a step's sampler; grammar_bitmask: None, or i32[N, W] (numpy; the
-        tokens each scheduled row may take, padded here to the sampler's S rows), or
-        upload_bitmask's array of S rows."""
+        """Launch a step's sampler; grammar_bitmask: None, i32[N, W] numpy (padded here
+        to the sampler's S rows) or upload_bitmask's array of S rows."""
         logits, md, flags = handle.pending
         handle.pending = None
         bitmask = grammar_bitmask
@@ -300,12 +297,10 @@ class ModelRunner:
         start_copies(handle)
 
     def sampler_rows(self, handle: StepHandle) -> int:
-        """S, the rows of a launched step's sampler (its bitmask's height)."""
-        return handle.pending[0].shape[0]
+        return handle.pending[0].shape[0]          # S: the bitmask's height
 
     def upload_bitmask(self, bitmask: np.ndarray):
-        """A host bitmask i32[S, W] on the device, as the sampler takes it (callable
-        from any thread: the structured-output manager uploads from its own)."""
+        """A host bitmask i32[S, W] on the device (callable from any thread)."""
         return jax.device_put(bitmask, self._replicated)
 
     def get_output(self, handle: StepHandle):
@@ -395,12 +390,10 @@ class ModelRunner:
         jax.block_until_ready((out, self.kv_caches))
 
     # ------------------------------------------------------------ swap
-    def swap_out(self, pairs, host_pool):
-        """Copy GPU blocks to host blocks: pairs [(gpu, cpu)]."""
+    def swap_out(self, pairs, host_pool):      # pairs [(gpu, cpu)]: device to host
         kv_cache.swap_out(self.kv_caches, pairs, host_pool)
 
-    def swap_in(self, pairs, host_pool):
-        """Copy host blocks back to GPU blocks: pairs [(cpu, gpu)]."""
+    def swap_in(self, pairs, host_pool):       # pairs [(cpu, gpu)]: host to device
         self.kv_caches = kv_cache.swap_in(self.kv_caches, pairs, host_pool)
 
     def host_pool(self, num_cpu_blocks: int):
