@@ -106,10 +106,25 @@ class ServerConfig:
     # vLLM's flag: run the engine in a thread of the server process, not in its own
     # process (the server's event loop and the engine then share one GIL).
     disable_frontend_multiprocessing: bool = False
+    # vLLM's tool calling and reasoning flags (parsers in entrypoints/openai/tool_parsers
+    # and reasoning/).
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port={self.port}: must be in 0..65535")
+        if self.enable_auto_tool_choice and not self.tool_call_parser:
+            raise ConfigError("enable_auto_tool_choice needs tool_call_parser (e.g. hermes)")
+        from jaxllm.entrypoints.openai.tool_parsers import ToolParserManager
+        from jaxllm.reasoning import ReasoningParserManager
+        for name, value, known in (
+                ("tool_call_parser", self.tool_call_parser, ToolParserManager.tool_parsers),
+                ("reasoning_parser", self.reasoning_parser,
+                 ReasoningParserManager.reasoning_parsers)):
+            if value is not None and value not in known:
+                raise ConfigError(f"{name}={value!r}: unknown; known: {', '.join(sorted(known))}")
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,11 @@ ENGINE_HELP = {
     "api_key": "require this key as a Bearer token on /v1 routes",
     "disable_frontend_multiprocessing": "run the engine in a thread of the server process "
                                         "instead of its own process (they then share the GIL)",
+    "enable_auto_tool_choice": "let the model call tools on its own (tool_choice auto); "
+                               "needs --tool-call-parser",
+    "tool_call_parser": "how the model writes tool calls: hermes (Qwen2.5/3), qwen3_xml "
+                        "(Qwen3-Coder), llama3_json, mistral, pythonic",
+    "reasoning_parser": "split the model's thinking into 'reasoning': qwen3, deepseek_r1",
     "attention_backend": "auto (pallas on GPU, reference on CPU) | pallas | reference",
     "compilation_cache_dir": "persistent XLA compilation cache folder; none turns it off",
     "enforce_eager": "skip compiling every bucket at warm-up (quicker start, slower first steps)",

@@ -16,6 +16,8 @@ CURL_EXAMPLE = ROOT / "docs" / "openai_examples.sh"
 SDK_EXAMPLE = ROOT / "docs" / "openai_example.py"
 STRUCTURED_CURL = ROOT / "docs" / "structured_outputs.sh"
 STRUCTURED_SDK = ROOT / "docs" / "structured_outputs.py"
+TOOLS_SDK = ROOT / "docs" / "tool_calls.py"
+REASONING_CURL = ROOT / "docs" / "reasoning.sh"
 CITY = {"type": "object", "additionalProperties": False,
         "properties": {"name": {"type": "string", "maxLength": 24},
                        "population_millions": {"type": "integer", "minimum": 0, "maximum": 40}},
@@ -52,18 +54,22 @@ def test_readme_includes_examples_verbatim():
     if not readme.exists():
         pytest.skip("no README.md yet")
     text = readme.read_text()
-    for example in (CURL_EXAMPLE, SDK_EXAMPLE, STRUCTURED_CURL, STRUCTURED_SDK):
+    for example in (CURL_EXAMPLE, SDK_EXAMPLE, STRUCTURED_CURL, STRUCTURED_SDK, TOOLS_SDK,
+                    REASONING_CURL):
         assert example.read_text().strip() in text, f"README.md lacks {example.name} verbatim"
 
 
 @pytest.fixture(scope="module")
 def default_model_url():
-    """A server on the default model, which the structured-output examples name."""
+    """A server on the default model, which the examples name, started with the tool
+    and reasoning flags docs/tool_calls.py names."""
     from jaxllm.config import engine_config_from_flat
     from jaxllm.engine.async_llm import AsyncLLM
     from jaxllm.entrypoints.openai.api_server import build_app, serve_in_background
     config = engine_config_from_flat(max_model_len=512, max_num_seqs=4,
-                                     max_num_batched_tokens=128, enforce_eager=True)
+                                     max_num_batched_tokens=128, enforce_eager=True,
+                                     enable_auto_tool_choice=True, tool_call_parser="hermes",
+                                     reasoning_parser="qwen3")
     engine = AsyncLLM.from_config(config, multiprocess=False)
     try:
         with serve_in_background(build_app(engine, config)) as url:
@@ -87,3 +93,18 @@ def test_structured_outputs_sdk_example(default_model_url):
     name, population = _run([sys.executable, str(STRUCTURED_SDK)],
                             default_model_url).strip().rsplit(" ", 1)
     assert name and 0 <= int(population) <= 40
+
+
+def test_tool_calls_example(default_model_url):
+    call_line, answer_line = _run([sys.executable, str(TOOLS_SDK)],
+                                  default_model_url).strip().splitlines()
+    name, arguments = call_line.split(" ", 1)
+    assert name == "get_weather" and "city" in arguments
+    assert answer_line.startswith("None | ")       # the default model does not think
+
+
+def test_reasoning_example(default_model_url):
+    reply = json.loads(_run(["bash", str(REASONING_CURL)], default_model_url))
+    validate("CreateChatCompletionResponse", reply)
+    message = reply["choices"][0]["message"]
+    assert message["content"] and message.get("reasoning") is None

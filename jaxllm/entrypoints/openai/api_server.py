@@ -58,7 +58,9 @@ def build_app(engine: AsyncLLM, config: EngineConfig, *,
     tokenizer = llm.tokenizer
     names = config.model.served_model_name or (llm.model_name,)
     models = OpenAIServingModels(names, config.model.model or names[0], llm.max_model_len)
-    chat = OpenAIServingChat(engine, models, tokenizer)
+    server = config.server
+    chat = OpenAIServingChat(engine, models, tokenizer, server.enable_auto_tool_choice,
+                             server.tool_call_parser, server.reasoning_parser)
     completion = OpenAIServingCompletion(engine, models, tokenizer)
 
     def json_route(path: str, model: type, handler) -> Route:

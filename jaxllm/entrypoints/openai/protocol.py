@@ -13,11 +13,13 @@ bad schema, regex or grammar is a 400 naming the field as the client spelled it.
 """
 from __future__ import annotations
 
+import json
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from jaxllm.entrypoints.openai.errors import APIError, bad_request
+from jaxllm.entrypoints.openai.chat_tools import check_tools
 from jaxllm.entrypoints.openai.structured_outputs import structured_outputs_params
 from jaxllm.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -153,6 +155,11 @@ class ChatMessage(OpenAIBaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None     # an assistant turn's calls
+    tool_call_id: str | None = None                    # a tool turn: the call it answers
+    # An assistant turn's thinking, under either name clients send it back with.
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
     @field_validator("content")
     @classmethod
@@ -164,14 +171,56 @@ class ChatMessage(OpenAIBaseModel):
                                      "supported; only {'type': 'text', 'text': ...} is")
         return content
 
-    def to_template_dict(self) -> dict[str, str]:
+    def to_template_dict(self) -> dict[str, Any]:
         content = self.content
         if isinstance(content, list):   # parts -> one string, as vLLM does
             content = "\n".join(part["text"] for part in content)
-        out = {"role": self.role, "content": content or ""}
+        out: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [_template_tool_call(c) for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        thinking = self.reasoning_content if self.reasoning_content is not None \
+            else self.reasoning
+        if thinking is not None:        # Qwen3's template reads reasoning_content
+            out["reasoning_content"] = out["reasoning"] = thinking
         return out
+
+
+def _template_tool_call(call: dict) -> dict:
+    """A call as chat templates read it: arguments as an object (templates that
+    serialize them with tojson would quote a string twice)."""
+    function = dict(call.get("function") or {})
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            function["arguments"] = json.loads(arguments)
+        except ValueError:
+            pass
+    return {**call, "function": function}
+
+
+class FunctionDefinition(OpenAIBaseModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatCompletionToolParam(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIBaseModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -180,10 +229,11 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    # OpenAI fields accepted only with their default value.
-    tools: list | None = None
-    tool_choice: Any = None
+    tools: list[ChatCompletionToolParam] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None    # vLLM's, e.g. enable_thinking
+    # OpenAI fields accepted only with their default value.
     functions: list | None = None
     function_call: Any = None
     modalities: list[str] | None = None
@@ -197,7 +247,6 @@ class ChatCompletionRequest(_SamplingRequest):
 
     DEFAULT_ONLY: ClassVar[dict[str, tuple]] = {
         **_SamplingRequest.DEFAULT_ONLY,
-        "tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None,),
         "functions": (None, []), "function_call": (None, "none"),
         "modalities": (None, ["text"]),
         "audio": (None,), "prediction": (None,), "store": (None, False), "metadata": (None,),
@@ -211,6 +260,7 @@ class ChatCompletionRequest(_SamplingRequest):
             raise bad_request("'messages' must not be empty.", param="messages")
         if self.top_logprobs and not self.logprobs:
             raise bad_request("'top_logprobs' needs 'logprobs': true.", param="top_logprobs")
+        check_tools(self)
 
     def to_sampling_params(self) -> SamplingParams:
         top = (self.top_logprobs or 0) if self.logprobs else None
