@@ -21,7 +21,6 @@ from jaxllm.engine.output_processor import OutputProcessor
 from jaxllm.engine.request import Request, RequestStatus
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.sampling_params import SamplingParams
-from jaxllm.structured_output import validate as validate_structured_outputs
 from jaxllm.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -138,7 +137,7 @@ class LLMEngine:
         if request_id in self.output_processor.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         if params.structured_outputs is not None:
-            validate_structured_outputs(params.structured_outputs)
+            self.engine_core.structured_output_manager.validate(params.structured_outputs)
         text, token_ids = self._tokenize(prompt)
         self._validate_length(len(token_ids), params)
         now = time.time() if arrival_time is None else arrival_time

@@ -45,18 +45,26 @@ def grammar_spec(params: StructuredOutputsParams) -> str:
         raise ValueError(f"structured_outputs.grammar: {e}") from None
 
 
-def validate(params: StructuredOutputsParams) -> str:
+def validate(params: StructuredOutputsParams, tokenizer=None) -> str:
     """The grammar of a constraint; ValueError naming the field when llguidance rejects
-    it (a bad schema, regex or grammar). About a millisecond; needs no tokenizer."""
+    it (a bad schema, regex or grammar). About a millisecond. With the engine's
+    llguidance `tokenizer` it also catches what only the vocabulary can reject (a
+    grammar naming a special token the model does not have)."""
+    if params.whitespace_pattern is not None:
+        _check(llguidance.LLMatcher.grammar_from_regex(params.whitespace_pattern),
+               "whitespace_pattern", "regular expression")
     spec = grammar_spec(params)
-    error = llguidance.LLMatcher.validate_grammar(spec)
+    _check(spec, params.kind, _WHAT[params.kind], tokenizer)
+    return spec
+
+
+def _check(spec: str, field: str, what: str, tokenizer=None) -> None:
+    error = llguidance.LLMatcher.validate_grammar(spec, tokenizer)
     if error:
         # The first line says where; a regex's reason is on an "error:" line below.
         lines = [x.strip() for x in error.strip().splitlines()] or [error]
         reason = " ".join([lines[0]] + [x for x in lines[1:] if x.startswith("error:")])
-        raise ValueError(f"structured_outputs.{params.kind} is not a valid "
-                         f"{_WHAT[params.kind]}: {reason[:300]}")
-    return spec
+        raise ValueError(f"structured_outputs.{field} is not a valid {what}: {reason[:300]}")
 
 
 def _no_additional_properties(schema):

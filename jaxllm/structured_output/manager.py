@@ -52,6 +52,11 @@ class StructuredOutputManager:
         self.mask_seconds = 0.0
         self.num_compiled = 0
 
+    def validate(self, params) -> None:
+        """ValueError naming the field for a constraint that cannot compile, checked
+        against the model's vocabulary too (waits for it in the first second of a start)."""
+        backend_guidance.validate(params, self._tokenizer.result())
+
     def set_tokenizer(self, lltokenizer) -> None:
         """Use this llguidance tokenizer instead (benchmarks on a dummy-weight folder,
         whose placeholder tokenizer has no real vocabulary)."""

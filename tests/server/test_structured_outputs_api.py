@@ -51,14 +51,10 @@ PARSED = [
      StructuredOutputsParams(grammar='start: "a" | "b"')),
     ({"structured_outputs": {"json_object": True, "disable_any_whitespace": True}},
      StructuredOutputsParams(json_object=True, disable_any_whitespace=True)),
-    pytest.param(
-        {"structured_outputs": {"json": SCHEMA, "disable_additional_properties": True,
-                                "whitespace_pattern": " ?"}},
-        StructuredOutputsParams(json=SCHEMA, disable_additional_properties=True,
-                                whitespace_pattern=" ?"),
-        marks=pytest.mark.xfail(reason="backend_guidance.grammar_spec passes "
-                                "additionalProperties as an llguidance compile option, "
-                                "which llguidance rejects")),
+    ({"structured_outputs": {"json": SCHEMA, "disable_additional_properties": True,
+                             "whitespace_pattern": " ?"}},
+     StructuredOutputsParams(json=SCHEMA, disable_additional_properties=True,
+                             whitespace_pattern=" ?")),
     ({"structured_outputs": {"json": SCHEMA, "whitespace_pattern": " ?"}},
      StructuredOutputsParams(json=SCHEMA, whitespace_pattern=" ?")),
     ({"guided_json": SCHEMA}, StructuredOutputsParams(json=SCHEMA)),
