@@ -16,6 +16,11 @@ class ReasoningParser:
     def __init__(self, tokenizer=None):
         self.tokenizer = tokenizer
 
+    def set_prompt(self, prompt: str) -> None:
+        """Optional, before the first piece: the rendered prompt, for parsers whose
+        reasoning block the chat template may open in the prompt (then the reply
+        starts inside it, without the opening tag). Parsers that need not know ignore it."""
+
     def extract_reasoning(self, model_output: str, request=None) -> tuple[str | None, str | None]:
         raise NotImplementedError
 
