@@ -16,7 +16,7 @@ from typing import Callable
 
 from jaxllm.engine.detokenizer import IncrementalDetokenizer
 from jaxllm.engine.output_wire import pack_metrics
-from jaxllm.engine.request import Request
+from jaxllm.engine.request import Request, RequestStatus
 from jaxllm.outputs import CompletionOutput, RequestOutput, make_logprobs_entry
 from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -139,6 +139,10 @@ class OutputProcessor:
             sample.logprobs.append(make_logprobs_entry(
                 res.token_id, res.logprob, res.rank, res.top_ids or [], res.top_logprobs or [],
                 req.sampling_params.logprobs, self._decode_one))
+        if req.status is RequestStatus.FINISHED_STOPPED and (
+                res.token_id == req.eos_token_id
+                or res.token_id in (req.sampling_params.stop_token_ids or ())):
+            return False     # vLLM's: the stopping token's text is not output
         stop = sample.detok.update([res.token_id])
         if stop is not None and not req.is_finished():
             req.stop_reason = stop

@@ -310,3 +310,20 @@ def test_default_token_budget_follows_vllms_server_rule():
     assert default_token_budget(device("gpu", "NVIDIA A100-SXM4-80GB", 59.7)) == 2048
     assert default_token_budget(device("gpu", "NVIDIA L4", 16.6)) == 2048
     assert default_token_budget(device("cpu", "cpu", 0)) == 2048
+
+
+def test_stopping_token_text_is_not_output(llama):
+    """vLLM's rule: a request ended by a stop token id (or EOS) has that token in its
+    token_ids but not its text, special tokens kept or not."""
+    llm = llama[2]
+    prompt = {"prompt_token_ids": make_prompts(llm.llm_engine.arch.vocab_size, n=1)[0]}
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    ids = list(free.token_ids)
+    k = next(i for i in range(1, len(ids)) if ids[i] not in ids[:i])
+    for skip in (True, False):
+        out = llm.generate([prompt], SamplingParams(
+            temperature=0, max_tokens=8, ignore_eos=True, stop_token_ids=[ids[k]],
+            skip_special_tokens=skip), use_tqdm=False)[0].outputs[0]
+        assert list(out.token_ids) == ids[:k + 1] and out.finish_reason == "stop"
+        assert out.text == llm.llm_engine.tokenizer.decode(ids[:k], skip_special_tokens=skip)

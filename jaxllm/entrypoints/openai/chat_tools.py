@@ -86,12 +86,15 @@ def _call_dict(index: int | None, call_id: str, name: str, arguments: str) -> di
 class ChoiceParser:
     """One choice's text -> OpenAI's message fields (content, reasoning, tool_calls)."""
 
-    def __init__(self, request, tool_parser_cls=None, reasoning_parser_cls=None, tokenizer=None):
+    def __init__(self, request, tool_parser_cls=None, reasoning_parser_cls=None, tokenizer=None,
+                 prompt_end: str = ""):
         self.request = request
         self.mode = tool_mode(request)
         self.tools = tool_parser_cls(tokenizer) if self.mode == "auto" and tool_parser_cls \
             else None
         self.reasoner = reasoning_parser_cls(tokenizer) if reasoning_parser_cls else None
+        if self.reasoner is not None:
+            self.reasoner.set_prompt(prompt_end)
         # What a stream has sent: text, reasoning, content fed on, content, calls.
         self._text = self._reasoning = self._content_in = self._content = ""
         self._calls: list[list] = []          # [id, name, arguments sent]
@@ -116,9 +119,9 @@ class ChoiceParser:
                 return [], content          # cut by max_tokens: the text as it is
         if self.tools is not None:
             info = self.tools.extract_tool_calls(content, self.request)
-            if info.tools_called:
-                return [(c.function.name, c.function.arguments) for c in info.tool_calls], \
-                    info.content
+            calls = [(c.function.name, c.function.arguments) for c in info.tool_calls]
+            # The parser's content either way: its stream adds up to it (stripped).
+            return (calls if info.tools_called else []), info.content or ""
         return [], content
 
     def message(self, text: str) -> dict:

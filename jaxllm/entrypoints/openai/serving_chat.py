@@ -55,9 +55,11 @@ class OpenAIServingChat(OpenAIServing):
         head = {"id": request_id, "created": created, "model": self.models.model_name}
         top_n = params.logprobs
         parsing = tool_mode(request) != "none" or self.reasoning_parser
+        # A reasoning parser reads the prompt's end: a template may open the thinking block.
+        prompt_end = self.tokenizer.decode(prompt_ids[-64:]) if self.reasoning_parser else ""
         if request.stream:
             events = self._stream(generation, head, params.n, top_n, request.include_usage,
-                                  request if parsing else None)
+                                  (request, prompt_end) if parsing else None)
             return sse_response(events, generation)
         try:
             (final,) = await generation.wait()
@@ -68,7 +70,7 @@ class OpenAIServingChat(OpenAIServing):
             message = {"role": "assistant", "content": c.text, "refusal": None}
             finish_reason = c.finish_reason
             if parsing:
-                parser = self._choice_parser(request)
+                parser = self._choice_parser(request, prompt_end)
                 message = parser.message(c.text)
                 finish_reason = parser.finish_reason(finish_reason, "tool_calls" in message)
             choices.append({"index": c.index, "message": message,
@@ -96,8 +98,9 @@ class OpenAIServingChat(OpenAIServing):
             params.structured_outputs = forced
         return params
 
-    def _choice_parser(self, request) -> ChoiceParser:
-        return ChoiceParser(request, self.tool_parser, self.reasoning_parser, self.tokenizer)
+    def _choice_parser(self, request, prompt_end: str) -> ChoiceParser:
+        return ChoiceParser(request, self.tool_parser, self.reasoning_parser, self.tokenizer,
+                            prompt_end)
 
     async def _stream(self, generation: Generation, head: dict, n: int, top_n: int | None,
                       include_usage: bool, parsing_request=None):
@@ -113,7 +116,8 @@ class OpenAIServingChat(OpenAIServing):
                 if parsing_request is None:
                     yield sse({**head, "choices": [self._chunk_choice(delta, top_n)]})
                     continue
-                parser = parsers.setdefault(delta.index, self._choice_parser(parsing_request))
+                parser = parsers.get(delta.index) or parsers.setdefault(
+                    delta.index, self._choice_parser(*parsing_request))
                 c = delta.completion
                 fields = parser.delta(delta.text, c.finish_reason is not None)
                 if fields or c.finish_reason is not None:
