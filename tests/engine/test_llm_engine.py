@@ -314,16 +314,18 @@ def test_default_token_budget_follows_vllms_server_rule():
 
 def test_stopping_token_text_is_not_output(llama):
     """vLLM's rule: a request ended by a stop token id (or EOS) has that token in its
-    token_ids but not its text, special tokens kept or not."""
+    token_ids but not its text: the text is that of the tokens before it."""
     llm = llama[2]
     prompt = {"prompt_token_ids": make_prompts(llm.llm_engine.arch.vocab_size, n=1)[0]}
-    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
-                        use_tqdm=False)[0].outputs[0]
-    ids = list(free.token_ids)
-    k = next(i for i in range(1, len(ids)) if ids[i] not in ids[:i])
+
+    def greedy(**kw):
+        return llm.generate([prompt], SamplingParams(temperature=0, ignore_eos=True, **kw),
+                            use_tqdm=False)[0].outputs[0]
+    ids = list(greedy(max_tokens=24).token_ids)
     for skip in (True, False):
-        out = llm.generate([prompt], SamplingParams(
-            temperature=0, max_tokens=8, ignore_eos=True, stop_token_ids=[ids[k]],
-            skip_special_tokens=skip), use_tqdm=False)[0].outputs[0]
+        texts = [greedy(max_tokens=n, skip_special_tokens=skip).text for n in range(1, 25)]
+        # A token met for the first time that adds text of its own.
+        k = next(i for i in range(1, 24) if ids[i] not in ids[:i] and texts[i] != texts[i - 1])
+        out = greedy(max_tokens=24, stop_token_ids=[ids[k]], skip_special_tokens=skip)
         assert list(out.token_ids) == ids[:k + 1] and out.finish_reason == "stop"
-        assert out.text == llm.llm_engine.tokenizer.decode(ids[:k], skip_special_tokens=skip)
+        assert out.text == texts[k - 1]        # the k tokens before the stop token
