@@ -85,8 +85,8 @@ def client(tools_server):
 
 
 def chat(client, **kwargs):
-    return client.chat.completions.create(model=MODEL, messages=kwargs.pop("messages", ASK),
-                                          **kwargs)
+    return client.chat.completions.create(model=kwargs.pop("model", MODEL),
+                                          messages=kwargs.pop("messages", ASK), **kwargs)
 
 
 def streamed(client, **kwargs) -> tuple[dict, str | None]:
@@ -316,3 +316,51 @@ def test_langchain_bind_tools_and_structured_output(tools_server):
     forecast = llm.with_structured_output(Forecast, method="function_calling").invoke(
         "a forecast, as JSON")
     assert isinstance(forecast, Forecast)
+
+
+@pytest.fixture(scope="module")
+def default_client():
+    """The default model (real weights) behind the same flags."""
+    from jaxllm.config import engine_config_from_flat
+    from jaxllm.engine.async_llm import AsyncLLM
+    from jaxllm.entrypoints.openai.api_server import build_app, serve_in_background
+    config = engine_config_from_flat(
+        max_model_len=1024, max_num_seqs=4, max_num_batched_tokens=256, enforce_eager=True,
+        enable_auto_tool_choice=True, tool_call_parser="hermes", reasoning_parser="qwen3")
+    engine = AsyncLLM.from_config(config, multiprocess=False)
+    try:
+        with serve_in_background(build_app(engine, config)) as url, openai.OpenAI(
+                base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300) as c:
+            c.url = url
+            yield c
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("temperature", [0, 1])
+def test_default_model_forced_calls(default_client, temperature):
+    kwargs = dict(model=default_client.models.list().data[0].id, tools=TOOLS, max_tokens=80,
+                  temperature=temperature, seed=11)
+    for choice in ({"type": "function", "function": {"name": "get_weather"}}, "required"):
+        out = chat(default_client, tool_choice=choice, parallel_tool_calls=False, **kwargs)
+        (call,) = out.choices[0].message.tool_calls
+        check_call(call.function.name, call.function.arguments)
+        stream, _ = streamed(default_client, tool_choice=choice, parallel_tool_calls=False,
+                             **kwargs)
+        assert [c[1:] for c in stream["calls"]] == [[call.function.name,
+                                                     call.function.arguments]]
+
+
+def test_default_model_langchain_structured_output(default_client):
+    """with_structured_output's default method (response_format json_schema)."""
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        name: str = Field(max_length=24)
+        population_millions: int = Field(ge=0, le=40)
+    llm = ChatOpenAI(base_url=f"{default_client.url}/v1", api_key="unused",
+                     model=default_client.models.list().data[0].id, temperature=0,
+                     max_tokens=80, max_retries=0)
+    city = llm.with_structured_output(City).invoke("A city in France and its population.")
+    assert isinstance(city, City)
