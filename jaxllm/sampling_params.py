@@ -15,6 +15,12 @@ SAMPLING_EPS = 1e-5
 # Most top logprobs a request may ask for; the sampler computes exactly this many
 # for a batch that wants any, so the number is a compile-time constant.
 MAX_LOGPROBS = 20
+# Bounds no real client's request reaches (OpenAI allows n <= 128 and 4 stop strings),
+# so that one request cannot make every step scan 100,000 stop strings.
+MAX_N = 128
+MAX_STOP_STRINGS = 128
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
 
 
 class RequestOutputKind(enum.Enum):
@@ -136,7 +142,8 @@ class SamplingParams:
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
 
     def _verify_args(self) -> None:
-        _check(isinstance(self.n, int) and self.n >= 1, "n", self.n, "an int >= 1")
+        _check(isinstance(self.n, int) and 1 <= self.n <= MAX_N, "n", self.n,
+               f"an int in [1, {MAX_N}]")
         _check(self.temperature >= 0.0, "temperature", self.temperature, ">= 0 (0 = greedy)")
         _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "in (0, 1]")
         _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", self.top_k,
@@ -147,7 +154,9 @@ class SamplingParams:
             _check(-2.0 <= value <= 2.0, name, value, "in [-2, 2]")
         _check(self.repetition_penalty > 0.0, "repetition_penalty", self.repetition_penalty,
                "> 0 (1 = off)")
-        _check(self.seed is None or isinstance(self.seed, int), "seed", self.seed, "an int or None")
+        _check(self.seed is None or (isinstance(self.seed, int)
+                                     and -(1 << 63) <= self.seed < (1 << 63)),
+               "seed", self.seed, "None or an int64 (in [-2**63, 2**63 - 1])")
         if self.max_tokens is not None:
             _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens",
                    self.max_tokens, "an int >= 1 or None")
@@ -161,8 +170,14 @@ class SamplingParams:
                    name, value, f"None or an int in [0, {MAX_LOGPROBS}]")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop,
                "non-empty strings")
-        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-               "stop_token_ids", self.stop_token_ids, "non-negative ints")
+        _check(len(self.stop) <= MAX_STOP_STRINGS
+               and all(len(s) <= MAX_STOP_STRING_CHARS for s in self.stop), "stop",
+               f"{len(self.stop)} strings of up to {max(map(len, self.stop), default=0)} chars",
+               f"at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_STRING_CHARS} chars")
+        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids)
+               and len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
+               self.stop_token_ids if len(self.stop_token_ids) <= 8 else
+               f"{len(self.stop_token_ids)} ids", f"at most {MAX_STOP_TOKEN_IDS} non-negative ints")
 
     @property
     def sampling_type(self) -> SamplingType:

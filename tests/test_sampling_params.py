@@ -46,6 +46,12 @@ def test_feature_properties():
     assert SamplingParams(stop=["abcd"], include_stop_str_in_output=True).stop_buffer_length == 0
 
 
+def test_limits_accept_what_clients_send():
+    SamplingParams(n=128, seed=(1 << 63) - 1, stop=["x" * 1024] * 128,
+                   stop_token_ids=list(range(1024)))
+    SamplingParams(seed=-(1 << 63))
+
+
 def test_boundaries_accepted():
     SamplingParams(temperature=0.0, top_p=1.0, top_k=1, min_p=1.0, presence_penalty=-2.0,
                    frequency_penalty=2.0, max_tokens=1, min_tokens=1, logprobs=MAX_LOGPROBS,
@@ -72,6 +78,12 @@ def test_boundaries_accepted():
     ("prompt_logprobs", 21),
     ("stop", ["ok", ""]),
     ("stop_token_ids", [-3]),
+    ("n", 129),
+    ("seed", 10 ** 40),
+    ("seed", -(1 << 63) - 1),
+    ("stop", [f"s{i}" for i in range(129)]),
+    ("stop", ["x" * 1025]),
+    ("stop_token_ids", list(range(1025))),
 ])
 def test_invalid_values_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):

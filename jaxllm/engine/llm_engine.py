@@ -138,6 +138,10 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         if params.structured_outputs is not None:
             self.engine_core.structured_output_manager.validate(params.structured_outputs)
+        bad = [t for t in params.stop_token_ids if t >= self.arch.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids: token id {bad[0]} is out of vocabulary "
+                             f"(0..{self.arch.vocab_size - 1})")
         text, token_ids = self._tokenize(prompt)
         self._validate_length(len(token_ids), params)
         now = time.time() if arrival_time is None else arrival_time

@@ -45,6 +45,13 @@ CASES = [
     ("unknown-nested", "/v1/chat/completions",
      {**CHAT, "stream": True, "stream_options": {"include_usage": True, "bar": 1}}, 400,
      "stream_options.bar", "unsupported_parameter"),
+    ("seed outside int64", "/v1/completions", {**COMPLETION, "seed": 10 ** 40}, 400, "seed",
+     None),
+    ("too many stop strings", "/v1/completions",
+     {**COMPLETION, "stop": [f"s{i}" for i in range(200)]}, 400, "stop", None),
+    ("n too large", "/v1/completions", {**COMPLETION, "n": 129}, 400, "n", None),
+    ("stop token out of vocabulary", "/v1/completions",
+     {**COMPLETION, "stop_token_ids": [10 ** 6]}, 400, "stop_token_ids", None),
     # tool_choice defaults to auto with tools: vLLM's 400 without --enable-auto-tool-choice
     ("tools", "/v1/chat/completions",
      {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool_choice",

@@ -63,10 +63,10 @@ class OpenAIServing:
                 raise engine_dead() from e
             if isinstance(e, ValueError):
                 code = "context_length_exceeded" if "maximum context length" in str(e) else None
-                # The front end checked the constraint; the engine may still refuse it
-                # with this vocabulary.
-                param = "structured_outputs" if str(e).startswith("structured_outputs") \
-                    else prompt_param
+                # Checks that need the model (its vocabulary) name their field first.
+                field = next((f for f in ("structured_outputs", "stop_token_ids")
+                              if str(e).startswith(f)), None)
+                param = field or prompt_param
                 raise bad_request(str(e), param=param, code=code) from e
             raise
         return Generation(firsts, gens)
