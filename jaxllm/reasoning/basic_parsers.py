@@ -12,34 +12,7 @@ extract_reasoning of the final text.
 from __future__ import annotations
 
 from jaxllm.reasoning.abstract_reasoning_parser import ReasoningParser
-
-
-class _Stripped:
-    """Streamed text whose pieces add up to the whole text's .strip(): leading
-    whitespace dropped, trailing whitespace held until more text follows."""
-
-    def __init__(self):
-        self.started = False
-        self.pending = ""
-
-    def push(self, s: str) -> str:
-        if not self.started:
-            s = s.lstrip()
-            if not s:
-                return ""
-            self.started = True
-        s = self.pending + s
-        body = s.rstrip()
-        self.pending = s[len(body):]
-        return body
-
-
-def _partial_tail(text: str, start: int, tag: str) -> int:
-    """Where a tail of text[start:] that may be the beginning of tag starts."""
-    for k in range(max(start, len(text) - len(tag) + 1), len(text)):
-        if tag.startswith(text[k:]):
-            return k
-    return len(text)
+from jaxllm.streaming_text import TextStream, partial_tag_start
 
 
 class BaseThinkingReasoningParser(ReasoningParser):
@@ -52,7 +25,7 @@ class BaseThinkingReasoningParser(ReasoningParser):
         self.state = "start"            # start | reasoning | undecided | content
         self.pos = 0                    # the text before it is read
         self.scan = 0                   # no </think> starts before it
-        self._reasoning, self._content = _Stripped(), _Stripped()
+        self._reasoning, self._content = TextStream(), TextStream()
 
     def set_prompt(self, prompt: str) -> None:
         self.prompt_in_reasoning = prompt.rfind(self.start_token) > prompt.rfind(self.end_token)
@@ -94,7 +67,7 @@ class BaseThinkingReasoningParser(ReasoningParser):
                 if end == -1:
                     self.scan = max(self.pos, len(text) - len(self.end_token) + 1)
                     if self.state == "reasoning":
-                        hold = _partial_tail(text, self.pos, self.end_token)
+                        hold = partial_tag_start(text, self.pos, (self.end_token,))
                         reasoning.append(self._reasoning.push(text[self.pos:hold]))
                         self.pos = hold
                     break

@@ -17,7 +17,8 @@ from __future__ import annotations
 from jaxllm.entrypoints.openai.tool_parsers.abstract_tool_parser import ToolParserManager
 from jaxllm.entrypoints.openai.tool_parsers.json_stream import CallObject
 from jaxllm.entrypoints.openai.tool_parsers.utils import (
-    ScanningToolParser, keep_special_tokens, partial_tag_start)
+    ScanningToolParser, keep_special_tokens)
+from jaxllm.streaming_text import partial_tag_start
 
 START, END = "<tool_call>", "</tool_call>"
 

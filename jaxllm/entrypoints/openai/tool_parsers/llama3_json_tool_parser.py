@@ -54,18 +54,7 @@ class Llama3JsonToolParser(ScanningToolParser):
         return True
 
     def _body(self, final: bool) -> bool:
-        rest = self.call.feed(self.text[self.pos:])
-        self._call_events(self.call)
-        if self.call.error or (final and not self.call.done and not self.call.finish()):
-            self._fail(self.call_start)
-            return False
-        if not self.call.done:
-            self.pos = len(self.text)
-            return False
-        self.pos = len(self.text) - len(rest)
-        self._end_call()
-        self.state = "between"
-        return True
+        return self._feed_call(final, "between")
 
     def _between(self, final: bool) -> bool:
         j = self._skip_ws(self.pos)

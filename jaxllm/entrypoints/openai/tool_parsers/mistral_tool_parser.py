@@ -22,7 +22,8 @@ import string
 from jaxllm.entrypoints.openai.tool_parsers.abstract_tool_parser import ToolParserManager
 from jaxllm.entrypoints.openai.tool_parsers.json_stream import CallObject, JsonStreamer
 from jaxllm.entrypoints.openai.tool_parsers.utils import (
-    ScanningToolParser, keep_special_tokens, partial_tag_start)
+    ScanningToolParser, keep_special_tokens)
+from jaxllm.streaming_text import partial_tag_start
 
 TOOL_CALLS, CALL_ID, ARGS = "[TOOL_CALLS]", "[CALL_ID]", "[ARGS]"
 _NAME = re.compile(r"[\w.\-]*")
@@ -107,18 +108,7 @@ class MistralToolParser(ScanningToolParser):
         return True
 
     def _object(self, final: bool) -> bool:
-        rest = self.call.feed(self.text[self.pos:])
-        self._call_events(self.call)
-        if self.call.error or (final and not self.call.done and not self.call.finish()):
-            self._fail(self.call_start)
-            return False
-        if not self.call.done:
-            self.pos = len(self.text)
-            return False
-        self.pos = len(self.text) - len(rest)
-        self._end_call()
-        self.state = "sep" if self.in_array else "text"
-        return True
+        return self._feed_call(final, "sep" if self.in_array else "text")
 
     def _sep(self, final: bool) -> bool:
         j = self._skip_ws(self.pos)

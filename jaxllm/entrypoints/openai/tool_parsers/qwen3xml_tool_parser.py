@@ -27,7 +27,8 @@ from json.encoder import encode_basestring
 
 from jaxllm.entrypoints.openai.tool_parsers.abstract_tool_parser import ToolParserManager
 from jaxllm.entrypoints.openai.tool_parsers.utils import (
-    ScanningToolParser, find_first, keep_special_tokens, partial_tag_start, tool_parameters)
+    ScanningToolParser, find_first, keep_special_tokens, tool_parameters)
+from jaxllm.streaming_text import partial_tag_start
 
 TOOL_CALL, END_TOOL_CALL = "<tool_call>", "</tool_call>"
 FUNCTION, END_FUNCTION = "<function=", "</function>"

@@ -13,37 +13,7 @@ from __future__ import annotations
 from jaxllm.entrypoints.openai.tool_parsers.abstract_tool_parser import (
     DeltaFunctionCall, DeltaMessage, DeltaToolCall, ExtractedToolCallInformation,
     FunctionCall, ToolCall, ToolParser, make_tool_call_id)
-
-
-class TextStream:
-    """Text as streamed: leading whitespace dropped, trailing whitespace held until
-    more text follows, so the pieces add up to the whole text's .strip()."""
-
-    def __init__(self):
-        self.started = False
-        self.pending = ""
-
-    def push(self, s: str) -> str:
-        if not self.started:
-            s = s.lstrip()
-            if not s:
-                return ""
-            self.started = True
-        s = self.pending + s
-        body = s.rstrip()
-        self.pending = s[len(body):]
-        return body
-
-
-def partial_tag_start(text: str, start: int, tags: tuple[str, ...]) -> int:
-    """Where a tail of text[start:] that may be the beginning of one of the tags
-    starts; len(text) when there is none."""
-    longest = max(map(len, tags))
-    for k in range(max(start, len(text) - longest + 1), len(text)):
-        tail = text[k:]
-        if any(tag.startswith(tail) for tag in tags):
-            return k
-    return len(text)
+from jaxllm.streaming_text import TextStream
 
 
 def find_first(text: str, start: int, tags: tuple[str, ...]) -> tuple[int, str]:
@@ -164,6 +134,23 @@ class ScanningToolParser(ToolParser):
     def _fail(self, start: int) -> None:
         """The call that began at text[start] is malformed: all from there is content."""
         self.raw, self.pos = True, start
+
+    def _feed_call(self, final: bool, next_state: str) -> bool:
+        """Feed the text after pos to the open JSON call object (self.call); once it is
+        complete, end the call and go on in `next_state`. False: wait for more text
+        (or the call failed)."""
+        rest = self.call.feed(self.text[self.pos:])
+        self._call_events(self.call)
+        if self.call.error or (final and not self.call.done and not self.call.finish()):
+            self._fail(self.call_start)
+            return False
+        if not self.call.done:
+            self.pos = len(self.text)
+            return False
+        self.pos = len(self.text) - len(rest)
+        self._end_call()
+        self.state = next_state
+        return True
 
     # ------------------------------------------------------------ the two paths
     def _run(self, text: str, final: bool) -> None:
