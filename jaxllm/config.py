@@ -42,7 +42,10 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     kv_cache_dtype: str = "auto"      # auto | fp8 (fp8_e4m3 accepted)
     swap_space: float = 4.0           # GiB of host memory for swapped-out KV blocks
-    enable_prefix_caching: bool = False
+    # On, as in vLLM v1. Measured on the H200: 512 requests sharing a 2,000-token system
+    # prompt ran at 129.9 req/s with it, 18.0 without; at a 0% hit rate it cost nothing
+    # measurable (35.8k against 35.2k total tok/s).
+    enable_prefix_caching: bool = True
     # On CPU there is no device memory to profile: the KV pool gets this many bytes.
     cpu_kv_cache_bytes: int = 1 << 30
     num_gpu_blocks_override: int | None = None

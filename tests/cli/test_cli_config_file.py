@@ -160,3 +160,15 @@ def test_gguf_header_reader_matches_the_loader(tmp_path):
     assert meta["tokenizer.ggml.tokens"] == ["a", "b", "ab", "<s>"]
     assert names == ["token_embd.weight", "output.weight"]
     assert gguf_hf_config(path) == GGUFFile(path).hf_config()
+
+
+def test_prefix_caching_is_on_by_default_and_a_flag_turns_it_off():
+    """vLLM v1's default; `--no-enable-prefix-caching` as vLLM spells the opposite."""
+    from jaxllm.entrypoints.cli import LAUNCH_DEFAULTS, parse_args
+    from jaxllm.config import FLAT_KEYS
+    assert EngineConfig().cache.enable_prefix_caching
+    for argv, expected in ((["serve"], True), (["serve", "--no-enable-prefix-caching"], False)):
+        args = parse_args(argv)
+        flags = {k: v for k, v in vars(args).items() if k in FLAT_KEYS}
+        config = build_config(None, flags, LAUNCH_DEFAULTS)
+        assert config.cache.enable_prefix_caching is expected
