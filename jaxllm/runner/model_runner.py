@@ -280,18 +280,14 @@ class ModelRunner:
             eos_token_ids=self._eos_ids())
 
     def sample_tokens(self, handle: StepHandle, grammar_bitmask) -> None:
-        """Launch a step's sampler; grammar_bitmask: None, i32[N, W] numpy (padded here
-        to the sampler's S rows) or upload_bitmask's array of S rows."""
+        """Launch a step's sampler; grammar_bitmask: None, or i32[S, W] of the sampler's
+        S rows, on the host (multi-host, where it was broadcast) or upload_bitmask's."""
         logits, md, flags = handle.pending
         handle.pending = None
         bitmask = grammar_bitmask
         if bitmask is not None:
             flags = dataclasses.replace(flags, use_bitmask=True)
             if isinstance(bitmask, np.ndarray):
-                if len(bitmask) < logits.shape[0]:
-                    padded = np.full((logits.shape[0], bitmask.shape[1]), -1, np.int32)
-                    padded[:len(bitmask)] = bitmask
-                    bitmask = padded
                 bitmask = self.upload_bitmask(bitmask)
         handle.sampled = self.sample_step(logits, md, flags, bitmask)
         start_copies(handle)

@@ -5,7 +5,7 @@ A constrained request waits in the scheduler's queue while its grammar compiles 
 this manager's thread; about a millisecond for a schema, so a new schema never stalls
 the running requests). Each step with a constrained row runs its model first; the
 engine core then reads back the previous step (whose tokens advance the matchers) and
-asks `grammar_bitmask` for this step's masks while the device computes the logits,
+asks `start_bitmask` for this step's masks while the device computes the logits,
 so the masks cost no device time. Masks are i32[S, ceil(V/32)], bit v of row s set
 when token v is allowed; unconstrained rows are all ones.
 """
@@ -93,22 +93,14 @@ class StructuredOutputManager:
         self.num_compiled += 1
         return matcher
 
-    def start_bitmask(self, scheduled, requests: dict, rows: int | None = None,
-                      upload=None) -> Future:
-        """grammar_bitmask computed on the mask thread, `rows` high (>= the scheduled
-        rows; the rest all ones), then `upload(mask)`'s result (the device copy) when
-        given. The rows' matchers are taken now; none may advance until it is read."""
+    def start_bitmask(self, scheduled, requests: dict, rows: int, upload) -> Future:
+        """The step's grammar bitmask i32[rows, W] (rows >= the scheduled rows; the
+        rest, and rows of requests finished since they were scheduled, all ones),
+        computed on the mask thread, then `upload(mask)`'s result (the device copy).
+        `requests`: the live requests by id. The rows' matchers are taken now; none
+        may advance until the result is read."""
         pairs = self._rows(scheduled, requests)
-
-        def job():
-            mask = self._fill(pairs, rows or len(scheduled))
-            return mask if upload is None else upload(mask)
-        return self._mask_pool.submit(job)
-
-    def grammar_bitmask(self, scheduled, requests: dict) -> np.ndarray:
-        """i32[len(scheduled), W]: each sampling row's allowed next tokens. `requests`:
-        the live requests by id (one finished since it was scheduled keeps all ones)."""
-        return self._fill(self._rows(scheduled, requests), len(scheduled))
+        return self._mask_pool.submit(lambda: upload(self._fill(pairs, rows)))
 
     @staticmethod
     def _rows(scheduled, requests: dict) -> list[tuple]:
@@ -133,6 +125,8 @@ class StructuredOutputManager:
         return mask
 
     def has_constrained(self, scheduled, requests: dict) -> bool:
+        if not self._grammars:      # no constrained request yet: no per-step scan
+            return False
         for r in scheduled:
             req = requests.get(r.request_id)
             if r.do_sample and req is not None and req.structured_output_request is not None:

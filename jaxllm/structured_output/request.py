@@ -45,8 +45,3 @@ class StructuredOutputRequest:
     def is_terminated(self) -> bool:
         """The grammar is complete (only EOS may follow) or failed."""
         return self.error is not None or (self.matcher is not None and self.matcher.is_stopped())
-
-    def rollback(self, num_tokens: int) -> None:
-        """Undo the last accepted tokens (a step whose tokens were discarded)."""
-        if self.matcher is not None and num_tokens:
-            self.matcher.rollback(num_tokens)
