@@ -53,3 +53,30 @@ def client(server_url):
     with openai.OpenAI(base_url=f"{server_url}/v1", api_key="unused", max_retries=0,
                        timeout=120) as c:
         yield c
+
+
+@pytest.fixture(scope="session")
+def default_model_url():
+    """One server on the default model (real weights) for every module that needs it,
+    started with the tool and reasoning flags (they change nothing for other requests).
+    It answers to the tiny server's names too."""
+    from jaxllm.engine.async_llm import AsyncLLM
+    from jaxllm.entrypoints.openai.api_server import build_app, serve_in_background
+    config = engine_config_from_flat(
+        max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=256, enforce_eager=True,
+        served_model_name=SERVED_NAMES, enable_auto_tool_choice=True,
+        tool_call_parser="hermes", reasoning_parser="qwen3")
+    engine = AsyncLLM.from_config(config, multiprocess=False)
+    try:
+        with serve_in_background(build_app(engine, config)) as url:
+            yield url
+    finally:
+        engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+def default_client(default_model_url):
+    with openai.OpenAI(base_url=f"{default_model_url}/v1", api_key="unused", max_retries=0,
+                       timeout=300) as c:
+        c.url = default_model_url
+        yield c

@@ -59,25 +59,6 @@ def test_readme_includes_examples_verbatim():
         assert example.read_text().strip() in text, f"README.md lacks {example.name} verbatim"
 
 
-@pytest.fixture(scope="module")
-def default_model_url():
-    """A server on the default model, which the examples name, started with the tool
-    and reasoning flags docs/tool_calls.py names."""
-    from jaxllm.config import engine_config_from_flat
-    from jaxllm.engine.async_llm import AsyncLLM
-    from jaxllm.entrypoints.openai.api_server import build_app, serve_in_background
-    config = engine_config_from_flat(max_model_len=512, max_num_seqs=4,
-                                     max_num_batched_tokens=128, enforce_eager=True,
-                                     enable_auto_tool_choice=True, tool_call_parser="hermes",
-                                     reasoning_parser="qwen3")
-    engine = AsyncLLM.from_config(config, multiprocess=False)
-    try:
-        with serve_in_background(build_app(engine, config)) as url:
-            yield url
-    finally:
-        engine.shutdown()
-
-
 def test_structured_outputs_curl_example(default_model_url):
     from jsonschema import Draft202012Validator
     schema_reply, choice_reply = map(json.loads, _run(["bash", str(STRUCTURED_CURL)],

@@ -230,24 +230,6 @@ class City(pydantic.BaseModel):
     population_millions: int = pydantic.Field(ge=0, le=40)
 
 
-@pytest.fixture(scope="module")
-def default_client():
-    """A server on the default model (the embedded SmolLM2-135M-Instruct)."""
-    from jaxllm.config import engine_config_from_flat
-    from jaxllm.engine.async_llm import AsyncLLM
-    from jaxllm.entrypoints.openai.api_server import build_app, serve_in_background
-    config = engine_config_from_flat(max_model_len=512, max_num_seqs=8,
-                                     max_num_batched_tokens=128, enforce_eager=True,
-                                     served_model_name=(MODEL,))
-    engine = AsyncLLM.from_config(config, multiprocess=False)
-    try:
-        with serve_in_background(build_app(engine, config)) as url, openai.OpenAI(
-                base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300) as c:
-            yield c
-    finally:
-        engine.shutdown()
-
-
 def test_tiny_model_follows_constraints(client):
     """Random weights at temperature 1: only the masks make the outputs conform."""
     for seed in range(3):

@@ -318,25 +318,6 @@ def test_langchain_bind_tools_and_structured_output(tools_server):
     assert isinstance(forecast, Forecast)
 
 
-@pytest.fixture(scope="module")
-def default_client():
-    """The default model (real weights) behind the same flags."""
-    from jaxllm.config import engine_config_from_flat
-    from jaxllm.engine.async_llm import AsyncLLM
-    from jaxllm.entrypoints.openai.api_server import build_app, serve_in_background
-    config = engine_config_from_flat(
-        max_model_len=1024, max_num_seqs=4, max_num_batched_tokens=256, enforce_eager=True,
-        enable_auto_tool_choice=True, tool_call_parser="hermes", reasoning_parser="qwen3")
-    engine = AsyncLLM.from_config(config, multiprocess=False)
-    try:
-        with serve_in_background(build_app(engine, config)) as url, openai.OpenAI(
-                base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300) as c:
-            c.url = url
-            yield c
-    finally:
-        engine.shutdown()
-
-
 @pytest.mark.parametrize("temperature", [0, 1])
 def test_default_model_forced_calls(default_client, temperature):
     kwargs = dict(model=default_client.models.list().data[0].id, tools=TOOLS, max_tokens=80,

@@ -3,25 +3,10 @@ OpenAI delta protocol and the agreement with the whole-reply parse."""
 from __future__ import annotations
 
 import json
-import random
+
+from stream_splits import splits  # noqa: F401  (the tests import it from here)
 
 from jaxllm.entrypoints.openai.tool_parsers import ExtractedToolCallInformation
-
-
-def splits(text: str):
-    """Every split into two pieces, one character at a time, and a few token-like
-    random splits (1-7 characters)."""
-    for k in range(len(text) + 1):
-        yield [text[:k], text[k:]]
-    yield list(text)
-    rng = random.Random(len(text))
-    for _ in range(3):
-        pieces, k = [], 0
-        while k < len(text):
-            step = rng.randint(1, 7)
-            pieces.append(text[k:k + step])
-            k += step
-        yield pieces
 
 
 def stream(parser, pieces, request=None) -> tuple[str, list[dict]]:
