@@ -255,6 +255,10 @@ def test_reasoning_turn_accepted_under_either_name(client):
      "tools.0.function.parameters"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
      "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": TOOLS, "parallel_tool_calls": "maybe"}, "parallel_tool_calls"),
+    ({"chat_template_kwargs": ["enable_thinking"]}, "chat_template_kwargs"),
+    ({"tools": [{"type": "function"}]}, "tools.0.function"),
 ])
 def test_bad_tool_requests_are_400(tools_server, body, param):
     response = httpx.post(f"{tools_server}/v1/chat/completions", timeout=60,
@@ -274,6 +278,15 @@ def test_auto_without_the_flag_is_vllms_400(client_plain):
 def client_plain(server_url):
     with openai.OpenAI(base_url=f"{server_url}/v1", api_key="unused", max_retries=0) as c:
         yield c
+
+
+def test_auto_tool_choice_without_a_parser_is_one_line_and_exit_2():
+    done = subprocess.run([sys.executable, "-m", "jaxllm.entrypoints.cli", "serve",
+                           "--enable-auto-tool-choice"], capture_output=True, text=True,
+                          timeout=120)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and "tool_call_parser" in lines[0], \
+        done.stderr
 
 
 @pytest.mark.parametrize("flag", ["--tool-call-parser", "--reasoning-parser"])
