@@ -43,6 +43,7 @@ SCHEMA = {"type": "array", "minItems": 24, "maxItems": 40, "items": {
 # such a string, so a mask inside one walks the whole vocabulary (~10x the cost).
 SCHEMA_MAXLENGTH = json.loads(json.dumps(SCHEMA))
 SCHEMA_MAXLENGTH["items"]["properties"]["name"]["maxLength"] = 12
+DEFAULT_SWITCH_S = 0.005        # Python's GIL switch interval
 
 
 def qwen_lltokenizer(n_vocab: int, eos: int):
@@ -72,6 +73,8 @@ def smollm_lltokenizer():
 def mask_cost(lltok, rows: int = 256, steps: int = 64, schema=SCHEMA) -> dict:
     """Seconds per mask along a JSON document: one row alone, and `rows` rows per step
     as the engine computes them (each row at its own position of the document)."""
+    from jaxllm.structured_output.manager import mask_threads
+    threads = mask_threads()                      # the engine's
     import llguidance.numpy as lnp
     from jaxllm.sampling_params import StructuredOutputsParams
     from jaxllm.structured_output import backend_guidance
@@ -81,6 +84,9 @@ def mask_cost(lltok, rows: int = 256, steps: int = 64, schema=SCHEMA) -> dict:
     t0 = time.perf_counter()
     base = backend_guidance.new_matcher(lltok, spec)
     compile_s = time.perf_counter() - t0
+    # As the engine: rows take separately compiled copies in turn (copies of one share
+    # its lexer's lock).
+    copies = [base] + [backend_guidance.new_matcher(lltok, spec) for _ in range(threads - 1)]
     mask = lnp.allocate_token_bitmask(rows, lltok.vocab_size)
     one, m = [], base.deep_copy()
     for tok in tokens[:steps]:
@@ -90,10 +96,10 @@ def mask_cost(lltok, rows: int = 256, steps: int = 64, schema=SCHEMA) -> dict:
         assert m.consume_token(tok), m.get_error()
     matchers = []
     for i in range(rows):            # row i has consumed i % 32 tokens
-        m = base.deep_copy()
+        m = copies[i % threads].deep_copy()
         assert m.consume_tokens(tokens[:i % 32])
         matchers.append(m)
-    filler = backend_guidance.MaskFiller(min(16, os.cpu_count() or 1))   # the engine's
+    filler = backend_guidance.MaskFiller(threads)
     batch = []
     for k in range(8):
         t = time.perf_counter()
@@ -128,6 +134,7 @@ def half_rate(outs, h: int) -> float:
 def bench_engine(args) -> dict:
     from jaxllm import LLM, SamplingParams
     from jaxllm.sampling_params import StructuredOutputsParams
+    from jaxllm.structured_output import backend_guidance
     llm = LLM(args.model, load_format="dummy", dtype="bfloat16", max_model_len=2048,
               max_num_seqs=args.num, compilation_cache_dir=args.compile_cache)
     engine = llm.llm_engine
@@ -149,34 +156,42 @@ def bench_engine(args) -> dict:
     res = {"model": args.model, "vocab": vocab, "num": n, "max_tokens": args.max_tokens}
     run(llm, prompts[:8], [constrained(i) for i in range(8)])          # warm both paths
     run(llm, prompts[:8], [plain(i) for i in range(8)])
-    plain_tps, cons_tps, mix_plain_tps, mix_cons_tps, plain_half = [], [], [], [], []
-    maxlen_tps = []
-    for _ in range(args.repeat):          # alternating, so drift hits both alike
-        t, outs = run(llm, prompts, [plain(i) for i in range(n)])
-        plain_tps.append(out_tokens(outs) / t)
-        plain_half.append(half_rate(outs, 0))
-        mask0 = som.mask_seconds
-        t, outs = run(llm, prompts, [constrained(i) for i in range(n)])
-        cons_tps.append(out_tokens(outs) / t)
-        res["constrained_finish"] = sorted({o.outputs[0].finish_reason for o in outs})
-        res["mask_ms_per_step"] = 1000 * (som.mask_seconds - mask0) / args.max_tokens
-        t, outs = run(llm, prompts, [constrained(i, SCHEMA_MAXLENGTH) for i in range(n)])
-        maxlen_tps.append(out_tokens(outs) / t)
-        params = [constrained(i) if i % 2 else plain(i) for i in range(n)]
-        _, outs = run(llm, prompts, params)
-        mix_plain_tps.append(half_rate(outs, 0))
-        mix_cons_tps.append(half_rate(outs, 1))
-    res.update(plain_out_tok_s=max(plain_tps), constrained_out_tok_s=max(cons_tps),
-               constrained_ratio=max(cons_tps) / max(plain_tps),
-               maxlength_out_tok_s=max(maxlen_tps),
-               maxlength_ratio=max(maxlen_tps) / max(plain_tps),
-               mix_plain_half_out_tok_s=max(mix_plain_tps),
-               mix_constrained_half_out_tok_s=max(mix_cons_tps),
-               plain_half_alone_out_tok_s=max(plain_half),
-               mix_slowdown=1 - max(mix_plain_tps) / max(plain_half),
-               all_runs={"plain": plain_tps, "constrained": cons_tps,
-                         "mix_plain_half": mix_plain_tps, "plain_half_alone": plain_half,
-                         "maxlength": maxlen_tps})
+    runs: dict[str, list] = {}
+    combos = [(si, t) for si in args.switch_intervals for t in args.mask_threads]
+
+    def configure(si, threads):     # what the manager sets once a constrained request came
+        som.gil_switch_interval = si
+        sys.setswitchinterval(si)
+        if som._filler is None or som._filler.threads != threads:
+            som._filler = backend_guidance.MaskFiller(threads)
+    # Host-bound runs drift by tens of percent within one process, so each figure is
+    # the median over repeats of a ratio to the plain run just before it.
+    for _ in range(args.repeat):
+        for si, threads in combos:
+            configure(si, threads)
+            key = f"{si * 1000:g}ms/{threads}t"
+            t, outs = run(llm, prompts, [plain(i) for i in range(n)])
+            plain_tps, plain_half = out_tokens(outs) / t, half_rate(outs, 0)
+            mask0, wait0 = som.mask_seconds, som.mask_wait_seconds
+            t, outs = run(llm, prompts, [constrained(i) for i in range(n)])
+            res["constrained_finish"] = sorted({o.outputs[0].finish_reason for o in outs})
+            steps = args.max_tokens
+            runs.setdefault(key, []).append({
+                "plain_out_tok_s": plain_tps,
+                "constrained_out_tok_s": out_tokens(outs) / t,
+                "constrained_ratio": out_tokens(outs) / t / plain_tps,
+                "mask_ms_per_step": 1000 * (som.mask_seconds - mask0) / steps,
+                "mask_wait_ms_per_step": 1000 * (som.mask_wait_seconds - wait0) / steps})
+            params = [constrained(i) if i % 2 else plain(i) for i in range(n)]
+            _, outs = run(llm, prompts, params)
+            runs[key][-1]["mix_slowdown"] = 1 - half_rate(outs, 0) / plain_half
+            if (si, threads) == combos[0]:
+                t, outs = run(llm, prompts, [constrained(i, SCHEMA_MAXLENGTH) for i in range(n)])
+                runs[key][-1]["maxlength_ratio"] = out_tokens(outs) / t / plain_tps
+    res["all_runs"] = runs
+    res["by_setting"] = {key: {m: statistics.median(r[m] for r in rs) for m in rs[0]}
+                         for key, rs in runs.items()}
+    configure(*combos[0])
     ttft_plain, ttft_new = [], []
     for k in range(args.ttft_trials):
         _, outs = run(llm, prompts[:1], [plain(k)])
@@ -205,9 +220,22 @@ def main():
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--ttft-trials", type=int, default=5)
     ap.add_argument("--compile-cache", metavar="DIR")
+    ap.add_argument("--switch-intervals", type=lambda v: [float(x) for x in v.split(",")],
+                    default=None, metavar="S,S",
+                    help="GIL switch intervals to run the constrained workloads at "
+                         "(default: the manager's)")
+    ap.add_argument("--mask-threads", type=lambda v: [int(x) for x in v.split(",")],
+                    default=None, metavar="N,N", help="llguidance threads for the masks "
+                    "(default: the manager's)")
     ap.add_argument("--mask-cost-only", action="store_true",
                     help="host cost of masks at vocab 49k (SmolLM2) and 152k (Qwen), no engine")
     args = ap.parse_args()
+    if args.switch_intervals is None:
+        from jaxllm.structured_output.manager import GIL_SWITCH_INTERVAL_S
+        args.switch_intervals = [GIL_SWITCH_INTERVAL_S]
+    if args.mask_threads is None:
+        from jaxllm.structured_output.manager import mask_threads
+        args.mask_threads = [mask_threads()]
     if args.mask_cost_only:
         small, large = smollm_lltokenizer(), qwen_lltokenizer(151936, 151643)
         res = {"mask_cost_49k": mask_cost(small), "mask_cost_152k": mask_cost(large),
@@ -221,16 +249,17 @@ def main():
         with open(os.path.join(out, "bench_structured.json"), "w") as f:
             json.dump(res, f, indent=1)
     print(json.dumps(res, indent=1))
-    if "constrained_ratio" in res:
-        print(f"\n256 at once: constrained {res['constrained_out_tok_s']:.0f} vs plain "
-              f"{res['plain_out_tok_s']:.0f} out tok/s = {res['constrained_ratio']:.3f} "
-              f"(goal >= 0.90)\n50/50 mix: plain half {res['mix_plain_half_out_tok_s']:.0f} vs "
-              f"alone {res['plain_half_alone_out_tok_s']:.0f} = slowdown "
-              f"{100 * res['mix_slowdown']:.1f}% (goal <= 5%)\nmaxLength strings: "
-              f"{res['maxlength_ratio']:.3f} of plain\nTTFT new schema "
-              f"{res['ttft_new_schema_ms']:.1f} ms vs plain {res['ttft_plain_ms']:.1f} ms "
-              f"(goal <= plain + 20 ms)")
-
+    for key, r in res.get("by_setting", {}).items():
+        print(f"GIL switch / mask threads {key}: {res['num']} at once constrained/plain "
+              f"{r['constrained_ratio']:.3f} (goal >= 0.90; plain {r['plain_out_tok_s']:.0f}, "
+              f"constrained {r['constrained_out_tok_s']:.0f} out tok/s); 50/50 mix plain half "
+              f"slowed {100 * r['mix_slowdown']:.1f}% (goal <= 5%); masks "
+              f"{r['mask_ms_per_step']:.2f} ms/step, engine waited "
+              f"{r['mask_wait_ms_per_step']:.2f} ms/step"
+              + (f"; maxLength strings {r['maxlength_ratio']:.3f}" if "maxlength_ratio" in r else ""))
+    if "ttft_new_schema_ms" in res:
+        print(f"TTFT new schema {res['ttft_new_schema_ms']:.1f} ms vs plain "
+              f"{res['ttft_plain_ms']:.1f} ms (goal <= plain + 20 ms)")
 
 if __name__ == "__main__":
     main()

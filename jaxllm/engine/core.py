@@ -110,7 +110,7 @@ class EngineCore:
     def _finish_sampling(self, handle) -> None:
         """Launch the sampler of a step that waits for its grammar bitmask."""
         if self._pending_mask is not None and self._pending_mask[0] is handle:
-            bitmask = self._pending_mask[1].result()
+            bitmask = self.structured_output_manager.bitmask(self._pending_mask[1])
             self._pending_mask = None
             self.executor.sample_tokens(handle, bitmask)
 

@@ -101,30 +101,20 @@ def new_matcher(tokenizer: llguidance.LLTokenizer, spec: str) -> llguidance.LLMa
 
 
 class MaskFiller:
-    """Masks of many rows at once, split over `threads` threads, each with its own
-    one-thread LLExecutor (the GIL dropped while it works). One LLExecutor with many
-    threads did not scale: 256 rows at the Qwen vocabulary took 2.95 ms on two
-    threads against 2.38 ms serially, and 1.29 ms split this way."""
-
-    MIN_ROWS_PER_THREAD = 8
+    """Masks of many rows at once on one LLExecutor of `threads` Rust threads: one call,
+    so one GIL release and one reacquire per step however many rows. Python threads
+    each with their own executor scaled as well on an idle host, but every one of them
+    needs the GIL to start and to finish, and behind an engine thread busy in Python
+    each such handoff waits up to the interpreter's switch interval: 256 rows took
+    29 ms split over 16 Python threads against 14 ms in one call (5 ms switch
+    interval, 2 cores). Rows must not share a compiled grammar's lexer (see
+    StructuredOutputManager.new_request) or they serialize on its lock."""
 
     def __init__(self, threads: int):
-        from concurrent.futures import ThreadPoolExecutor
-        self.executors = [llguidance.LLExecutor(1) for _ in range(max(1, threads))]
-        self._pool = ThreadPoolExecutor(len(self.executors),
-                                        thread_name_prefix="jaxllm-mask-rows")
+        self.threads = max(1, threads)
+        self.executor = llguidance.LLExecutor(self.threads)
 
     def fill(self, rows: list[tuple], bitmask: np.ndarray) -> None:
         """Each (matcher, row)'s allowed next tokens into bitmask i32[S, W]."""
-        k = min(len(self.executors), len(rows) // self.MIN_ROWS_PER_THREAD)
-        if k <= 1:
-            if rows:
-                llguidance.numpy.fill_next_token_bitmask_par(self.executors[0], rows, bitmask)
-            return
-        jobs = [self._pool.submit(llguidance.numpy.fill_next_token_bitmask_par,
-                                  self.executors[j], rows[j::k], bitmask) for j in range(k)]
-        for job in jobs:
-            job.result()
-
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        if rows:
+            llguidance.numpy.fill_next_token_bitmask_par(self.executor, rows, bitmask)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -26,6 +27,18 @@ from jaxllm.structured_output.request import StructuredOutputRequest
 logger = logging.getLogger(__name__)
 
 MAX_CACHED_GRAMMARS = 1024
+# The interpreter's GIL switch interval once a constrained request arrives (Python's
+# default is 5 ms). The mask thread takes the GIL back after each llguidance call while
+# the engine thread runs Python for the next step; each such handoff waits up to this
+# long, and at the default it put the masks on the step's critical path.
+GIL_SWITCH_INTERVAL_S = 0.001
+
+
+def mask_threads() -> int:
+    """llguidance threads for the masks: half the cores, at most 8. More did not make a
+    256-row mask faster on the H200's 16-core host, and each one takes a core from the
+    engine thread, which sets the pace of a large batch."""
+    return max(1, min(8, (os.cpu_count() or 2) // 2))
 
 
 class StructuredOutputManager:
@@ -38,7 +51,7 @@ class StructuredOutputManager:
         # grammar thread at start-up, so the first constrained request does not wait.
         self._tokenizer = self._pool.submit(backend_guidance.make_tokenizer, tokenizer,
                                             vocab_size, eos_token_id)
-        self._num_threads = num_threads or max(1, min(16, os.cpu_count() or 1))
+        self._num_threads = num_threads or mask_threads()
         self._filler = None
         # Masks on a thread of their own (llguidance's threads under it drop the GIL),
         # never queued behind a grammar compile.
@@ -50,6 +63,8 @@ class StructuredOutputManager:
         # Prometheus counters (seconds): compiling grammars, computing masks.
         self.compile_seconds = 0.0
         self.mask_seconds = 0.0
+        self.mask_wait_seconds = 0.0      # the engine thread blocked on a bitmask
+        self.gil_switch_interval = GIL_SWITCH_INTERVAL_S
         self.num_compiled = 0
 
     def validate(self, params) -> None:
@@ -71,6 +86,8 @@ class StructuredOutputManager:
         in turn: the matchers copied from one compiled grammar share its lexer behind
         one lock, so masks of one schema's rows computed in parallel need several."""
         key = params.key
+        if sys.getswitchinterval() > self.gil_switch_interval:
+            sys.setswitchinterval(self.gil_switch_interval)
         with self._lock:
             entry = self._grammars.get(key)
             if entry is None or any(f.done() and f.exception() is not None for f in entry[1]):
@@ -113,6 +130,14 @@ class StructuredOutputManager:
                 pairs.append((grammar.matcher, i))
         return pairs
 
+    def bitmask(self, future: Future):
+        """A started bitmask's result (the engine thread waits for it)."""
+        t0 = time.perf_counter()
+        try:
+            return future.result()
+        finally:
+            self.mask_wait_seconds += time.perf_counter() - t0
+
     def _fill(self, pairs: list[tuple], rows: int) -> np.ndarray:
         t0 = time.perf_counter()
         # A new buffer each step: the device copy of the last one may still read it.
@@ -145,5 +170,3 @@ class StructuredOutputManager:
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._mask_pool.shutdown(wait=False, cancel_futures=True)
-        if self._filler is not None:
-            self._filler.shutdown()
