@@ -41,7 +41,8 @@ class AsyncLLM:
     def __init__(self, engine_core: EngineCoreClient, metrics: EngineMetrics | None = None):
         self.engine_core = engine_core
         self.engine = engine_core.info
-        self.metrics = metrics or EngineMetrics(self.engine.model_name)
+        self.metrics = metrics or EngineMetrics(self.engine.model_name,
+                                                self.engine.max_model_len)
         self.metrics.update_stats(engine_core.stats)
         self.dead_error: BaseException | None = None
         self._lock = threading.Lock()
@@ -79,14 +80,15 @@ class AsyncLLM:
         return self.engine_core.process
 
     # ------------------------------------------------------------ event-loop side
-    async def generate(self, request_id: str, prompt, params) -> AsyncIterator[Any]:
+    async def generate(self, request_id: str, prompt, params,
+                       priority: int = 0) -> AsyncIterator[Any]:
         """Add a request and yield its (cumulative) RequestOutputs until finished.
 
         The request is added on the first ``__anext__``; a ValueError from the
         engine (too long, bad token ids) is raised there. Closing or cancelling the
         iterator before the last output aborts the request, freeing its KV blocks.
         """
-        queue = _OutputQueue(asyncio.get_running_loop())
+        queue = _OutputQueue(asyncio.get_running_loop(), getattr(params, "max_tokens", None))
         finished = False
         try:
             with self._lock:
@@ -95,7 +97,7 @@ class AsyncLLM:
                 if request_id in self._queues:
                     raise ValueError(f"request id {request_id!r} is already in use")
                 self._queues[request_id] = queue
-                self.engine_core.add_request(request_id, prompt, params, time.time())
+                self.engine_core.add_request(request_id, prompt, params, time.time(), priority)
             await queue.get()   # _ACCEPTED, or the engine's error raised
             while not finished:
                 output = await queue.get()
@@ -137,7 +139,8 @@ class AsyncLLM:
                         del self._queues[request_id]
                         posts.append((queue, error))
                     continue
-                self.metrics.record_arrival(request_id, arrival_time, n)
+                self.metrics.record_arrival(request_id, arrival_time, n,
+                                            queue.max_tokens if queue is not None else None)
                 if queue is None:   # aborted before the engine took it
                     self.metrics.record_abort(request_id)
                 else:
@@ -158,6 +161,7 @@ class AsyncLLM:
                 if output.finished:
                     del self._queues[output.request_id]
                 posts.append((queue, output))
+            self.metrics.record_step()
         _post(posts)
 
     def on_dead(self, error: BaseException | None) -> None:
@@ -177,10 +181,12 @@ class AsyncLLM:
 
 
 class _OutputQueue:
-    """One request's outputs, filled from the client's thread, read on its loop."""
+    """One request's outputs, filled from the client's thread, read on its loop
+    (``max_tokens``: its parameter, for the metrics)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop):
+    def __init__(self, loop: asyncio.AbstractEventLoop, max_tokens: int | None = None):
         self.loop = loop
+        self.max_tokens = max_tokens
         self.queue: asyncio.Queue = asyncio.Queue()
 
     async def get(self) -> Any:

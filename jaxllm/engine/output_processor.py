@@ -23,6 +23,10 @@ from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 
 @dataclass
 class RequestMetrics:
+    """A request's times (``time.time()``; vLLM's RequestStateStats): its arrival at
+    the server, its first schedule, the steps of its first and latest tokens, its
+    finish. /metrics derives vLLM's queue, prefill, decode and inference times from
+    them (``jaxllm.metrics``)."""
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

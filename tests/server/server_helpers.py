@@ -41,12 +41,14 @@ def sse_events(response: httpx.Response) -> list:
 
 
 def scrape(url: str) -> dict[str, dict]:
-    """/metrics as {sample name: {labels-without-model_name tuple: value}}."""
+    """/metrics as {sample name: {labels tuple: value}}, without the labels every
+    series of one server shares (model_name, engine)."""
     text = httpx.get(f"{url}/metrics", timeout=30).text
     out: dict[str, dict] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))
+            labels = tuple(sorted((k, v) for k, v in s.labels.items()
+                                  if k not in ("model_name", "engine")))
             out.setdefault(s.name, {})[labels] = s.value
     return out
 
@@ -60,7 +62,7 @@ def wait_until_idle(url: str, timeout: float = 30.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         m = scrape(url)
-        busy = (m["jaxllm:num_requests_running"][()], m["jaxllm:num_requests_waiting"][()])
+        busy = (m["vllm:num_requests_running"][()], m["vllm:num_requests_waiting"][()])
         if busy == (0, 0) or time.monotonic() > deadline:
             return m
         time.sleep(0.05)

@@ -179,7 +179,7 @@ def wait_until_freed(engine: AsyncLLM, timeout: float = 30) -> None:
 
 
 def test_client_disconnect_frees_request_in_engine_process(mp_engine, mp_url):
-    aborted = metric(mp_url, "jaxllm:request_success_total", finished_reason="abort")
+    aborted = metric(mp_url, "vllm:request_success_total", finished_reason="abort")
     with httpx.stream("POST", f"{mp_url}/v1/completions", json=LONG, timeout=60) as r:
         assert r.status_code == 200
         next(line for line in r.iter_lines() if '"text":"' in line)
@@ -187,7 +187,7 @@ def test_client_disconnect_frees_request_in_engine_process(mp_engine, mp_url):
     wait_until_freed(mp_engine)   # the disconnect aborted it in the engine process
     m = wait_until_idle(mp_url)
     assert m["jaxllm:kv_cache_free_blocks"][()] == m["jaxllm:kv_cache_total_blocks"][()]
-    assert metric(mp_url, "jaxllm:request_success_total", finished_reason="abort") == \
+    assert metric(mp_url, "vllm:request_success_total", finished_reason="abort") == \
         aborted + 1
 
 

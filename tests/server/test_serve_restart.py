@@ -67,7 +67,7 @@ def test_warm_restart_serves_a_mixed_load(tiny_model, tmp_path):
             assert not bad and sum(counts.values()) == num, (counts, server.text()[-4000:])
             assert httpx.get(f"{server.url}/health").status_code == 200
             stats = httpx.get(f"{server.url}/metrics").text
-            assert "jaxllm:num_requests_running" in stats
+            assert "vllm:num_requests_running" in stats
         finally:
             code = server.stop()
         assert code in (0, 130), server.text()[-4000:]

@@ -46,7 +46,7 @@ def test_concurrent_streams_with_disconnects(client, server_url):
                                           max_tokens=MAX_TOKENS,
                                           extra_body={"ignore_eos": True}).choices[0].text
                 for p in PROMPTS]
-    aborted_before = metric(server_url, "jaxllm:request_success_total", finished_reason="abort")
+    aborted_before = metric(server_url, "vllm:request_success_total", finished_reason="abort")
     results = asyncio.run(_run_clients(server_url))
     for i, result in enumerate(results):
         if i % 4 == 3:
@@ -56,36 +56,36 @@ def test_concurrent_streams_with_disconnects(client, server_url):
         assert result["text"] == expected[i % len(PROMPTS)], i
         assert result["usage"].completion_tokens == MAX_TOKENS
     m = wait_until_idle(server_url, timeout=20)
-    assert m["jaxllm:num_requests_running"][()] == 0
-    assert m["jaxllm:num_requests_waiting"][()] == 0
-    assert m["jaxllm:kv_cache_usage_perc"][()] == 0
+    assert m["vllm:num_requests_running"][()] == 0
+    assert m["vllm:num_requests_waiting"][()] == 0
+    assert m["vllm:kv_cache_usage_perc"][()] == 0
     assert m["jaxllm:kv_cache_free_blocks"][()] == m["jaxllm:kv_cache_total_blocks"][()] > 0
-    aborted = m["jaxllm:request_success_total"][(("finished_reason", "abort"),)]
+    aborted = m["vllm:request_success_total"][(("finished_reason", "abort"),)]
     assert aborted - aborted_before == NUM_LEAVING
 
 
 def test_non_streaming_disconnect_aborts(server_url):
-    aborted_before = metric(server_url, "jaxllm:request_success_total", finished_reason="abort")
+    aborted_before = metric(server_url, "vllm:request_success_total", finished_reason="abort")
     with pytest.raises(httpx.ReadTimeout):   # 240 decode steps take 0.1-1 s on 2 CPU cores
         httpx.post(f"{server_url}/v1/completions", timeout=0.06, json={
             "model": MODEL, "prompt": "hello", "max_tokens": LEAVER_MAX_TOKENS,
             "temperature": 0, "ignore_eos": True})
     m = wait_until_idle(server_url, timeout=10)
-    assert m["jaxllm:num_requests_running"][()] == 0
+    assert m["vllm:num_requests_running"][()] == 0
     assert m["jaxllm:kv_cache_free_blocks"][()] == m["jaxllm:kv_cache_total_blocks"][()]
-    assert metric(server_url, "jaxllm:request_success_total",
+    assert metric(server_url, "vllm:request_success_total",
                   finished_reason="abort") == aborted_before + 1
 
 
 def test_metrics_parse_and_move(client, server_url):
     before = scrape(server_url)
-    names = {"jaxllm:num_requests_running", "jaxllm:num_requests_waiting",
-             "jaxllm:kv_cache_usage_perc", "jaxllm:num_preemptions_total",
-             "jaxllm:prompt_tokens_total", "jaxllm:generation_tokens_total",
-             "jaxllm:request_success_total", "jaxllm:prefix_cache_queries_total",
-             "jaxllm:prefix_cache_hits_total", "jaxllm:time_to_first_token_seconds_count",
-             "jaxllm:inter_token_latency_seconds_count", "jaxllm:e2e_request_latency_seconds_count",
-             "jaxllm:request_queue_time_seconds_count"}
+    names = {"vllm:num_requests_running", "vllm:num_requests_waiting",
+             "vllm:kv_cache_usage_perc", "vllm:num_preemptions_total",
+             "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+             "vllm:request_success_total", "vllm:prefix_cache_queries_total",
+             "vllm:prefix_cache_hits_total", "vllm:time_to_first_token_seconds_count",
+             "vllm:inter_token_latency_seconds_count", "vllm:e2e_request_latency_seconds_count",
+             "vllm:request_queue_time_seconds_count"}
     assert names <= set(before)
     out = client.completions.create(model=MODEL, prompt="hello world", max_tokens=5,
                                     temperature=0, extra_body={"ignore_eos": True})
@@ -94,10 +94,10 @@ def test_metrics_parse_and_move(client, server_url):
     def delta(name, labels=()):
         return after[name].get(labels, 0) - before[name].get(labels, 0)
 
-    assert delta("jaxllm:prompt_tokens_total") == out.usage.prompt_tokens
-    assert delta("jaxllm:generation_tokens_total") == 5
-    assert delta("jaxllm:request_success_total", (("finished_reason", "length"),)) == 1
+    assert delta("vllm:prompt_tokens_total") == out.usage.prompt_tokens
+    assert delta("vllm:generation_tokens_total") == 5
+    assert delta("vllm:request_success_total", (("finished_reason", "length"),)) == 1
     for hist in ("time_to_first_token_seconds", "e2e_request_latency_seconds",
                  "request_queue_time_seconds"):
-        assert delta(f"jaxllm:{hist}_count") == 1
-    assert delta("jaxllm:inter_token_latency_seconds_count") >= 1
+        assert delta(f"vllm:{hist}_count") == 1
+    assert delta("vllm:inter_token_latency_seconds_count") >= 1
