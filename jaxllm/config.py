@@ -77,8 +77,12 @@ class SchedulerConfig:
     # Schedule and prepare step N+1 while step N runs on the device; sampled tokens
     # are fed back on the device (vLLM's --async-scheduling, on by default here).
     async_scheduling: bool = True
+    # vLLM's --scheduling-policy: fcfs, or priority (the request's `priority`, lower
+    # first; preemption takes the lowest priority first). engine/request_queue.py.
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self):
+        _check_choice("scheduling_policy", self.scheduling_policy, ("fcfs", "priority"))
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs={self.max_num_seqs}: must be >= 1")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:

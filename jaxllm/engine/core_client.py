@@ -58,8 +58,9 @@ class EngineCoreClient:
     def start(self, handler) -> None:
         raise NotImplementedError
 
-    def add_request(self, request_id: str, prompt, params, arrival_time: float) -> None:
-        self._send(("add", request_id, prompt, params, arrival_time))
+    def add_request(self, request_id: str, prompt, params, arrival_time: float,
+                    priority: int = 0) -> None:
+        self._send(("add", request_id, prompt, params, arrival_time, priority))
 
     def abort_request(self, request_id: str) -> None:
         self._send(("abort", request_id))

@@ -48,18 +48,19 @@ class EngineInfo:
 def apply_commands(engine, commands: list[tuple],
                    wrap_error: Callable[[Exception], Exception] = lambda e: e
                    ) -> tuple[list[tuple], list[str]]:
-    """Apply ("add", id, prompt, params, arrival) and ("abort", id) commands in order:
-    ((request id, error or None, arrival, n) per add, the ids aborted). A bad request
-    fails alone: its error (through ``wrap_error``) goes back with its add."""
+    """Apply ("add", id, prompt, params, arrival, priority) and ("abort", id) commands
+    in order: ((request id, error or None, arrival, n) per add, the ids aborted). A bad
+    request fails alone: its error (through ``wrap_error``) goes back with its add."""
     added, aborted = [], []
     for command in commands:
         if command[0] == "abort":
             engine.abort_request(command[1])
             aborted.append(command[1])
             continue
-        _, request_id, prompt, params, arrival_time = command
+        _, request_id, prompt, params, arrival_time, priority = command
         try:
-            engine.add_request(request_id, prompt, params, arrival_time=arrival_time)
+            engine.add_request(request_id, prompt, params, arrival_time=arrival_time,
+                               priority=priority)
             error = None
         except Exception as e:  # noqa: BLE001 - a bad request fails alone
             error = wrap_error(e)

@@ -73,7 +73,7 @@ class LLMEngine:
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=self.max_model_len, enable_chunked_prefill=sc.enable_chunked_prefill,
             enable_prefix_caching=config.cache.enable_prefix_caching,
-            preemption_mode=sc.preemption_mode)
+            preemption_mode=sc.preemption_mode, policy=sc.scheduling_policy)
         if not config.enforce_eager:
             ex.compile_or_warm_up_model()
         self.eos_token_id = self.arch.eos_token_id[0] if self.arch.eos_token_id else \
@@ -130,8 +130,9 @@ class LLMEngine:
 
     # ------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, priority: int = 0) -> None:
         params = params or SamplingParams()
+        self._check_priority(priority)
         if params.prompt_logprobs is not None and self.config.parallel.num_processes > 1:
             raise ValueError("prompt_logprobs is not supported across several processes")
         if request_id in self.output_processor.groups:
@@ -152,13 +153,21 @@ class LLMEngine:
             child = params if params.n == 1 else dataclasses.replace(
                 params, n=1, seed=None if params.seed is None else params.seed + i)
             requests.append(Request(sid, token_ids, child, eos_token_id=self.eos_token_id,
-                                    arrival_time=now,
+                                    arrival_time=now, priority=priority,
                                     parent_id=request_id if params.n > 1 else None))
             seeds.append(child.seed if child.seed is not None else self._rng.getrandbits(63))
         self.output_processor.add_request(request_id, text, token_ids, params, requests, now)
         for req, seed in zip(requests, seeds):
             self.engine_core.add_request(req, seed)
         self.prompt_tokens_total += len(token_ids)
+
+    def _check_priority(self, priority) -> None:
+        if type(priority) is not int:
+            raise ValueError(f"priority must be an int, got {priority!r}")
+        # vLLM refuses a priority the policy would ignore.
+        if priority != 0 and self.config.scheduler.scheduling_policy != "priority":
+            raise ValueError(f"priority={priority} needs priority scheduling; start with "
+                             "--scheduling-policy priority (LLM(scheduling_policy='priority'))")
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):

@@ -52,6 +52,7 @@ class Request:
     reads ``max_tokens`` (None: up to max_model_len), ``min_tokens``, ``ignore_eos``
     and, if present, ``stop_token_ids``. ``parent_id`` is set on the n samples of one
     prompt (ids ``f"{i}_{parent_id}"``) so they share the prompt's KV blocks.
+    ``priority`` orders requests under the priority policy (request_queue.py).
     """
 
     def __init__(
@@ -62,6 +63,7 @@ class Request:
         eos_token_id: int | None = None,
         arrival_time: float | None = None,
         parent_id: str | None = None,
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -69,6 +71,8 @@ class Request:
         self.eos_token_id = eos_token_id
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.parent_id = parent_id
+        # Scheduling priority (vLLM's): lower runs first under the priority policy.
+        self.priority = priority
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.output_token_ids: list[int] = []

@@ -2,13 +2,15 @@
 
 There are no prefill/decode phases: each request wants
 ``num_tokens - num_computed_tokens`` tokens, and every step hands out at most
-``max_num_batched_tokens`` of them, RUNNING requests first (oldest first), then
-swapped-out ones, then WAITING ones in FCFS order. Chunked prefill is what happens
-when a prompt's want exceeds the budget left.
+``max_num_batched_tokens`` of them, RUNNING requests first, then swapped-out ones,
+then WAITING ones in the policy's order (request_queue.py: fcfs, or priority). Chunked
+prefill is what happens when a prompt's want exceeds the budget left.
 
-When blocks run out, the newest running request is preempted: by recompute (free
-its blocks, back to the front of the waiting queue) or by swap (copy its blocks to
-CPU blocks; see KVCacheManager.swap_out for when it falls back to recompute).
+When blocks run out, the last running request is preempted: the newest under fcfs,
+the lowest priority (largest (priority, arrival_time), vLLM's choice) under priority,
+as the running list is kept in that order. By recompute (free its blocks, back to the
+waiting queue) or by swap (copy its blocks to CPU blocks; see KVCacheManager.swap_out
+for when it falls back to recompute).
 
 The n samples of one prompt (Requests with the same ``parent_id``) share the
 prompt's full blocks even with prefix caching off (see kv_cache_manager). A sample
@@ -31,14 +33,16 @@ is called (sync engines update before scheduling again, async ones one step late
 
 from __future__ import annotations
 
-from collections import deque
+import bisect
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from jaxllm.engine.block_pool import BlockPool
 from jaxllm.engine.kv_cache_manager import KVCacheManager
 from jaxllm.engine.request import Request, RequestStatus
-from jaxllm.engine.scheduler_checks import PREEMPTION_MODES, validate_args, validate_request
+from jaxllm.engine.request_queue import SchedulingPolicy, create_request_queue, priority_key
+from jaxllm.engine.scheduler_checks import (PREEMPTION_MODES, check_stop, validate_args,
+                                            validate_request)
 # Stands for a token sampled by the previous step and not yet read back.
 PLACEHOLDER_TOKEN_ID = -1
 
@@ -83,9 +87,10 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         enable_prefix_caching: bool = True,
         preemption_mode: str = "recompute",
+        policy: str = "fcfs",
     ) -> None:
         validate_args(block_size, num_gpu_blocks, num_cpu_blocks, max_num_seqs,
-                       max_num_batched_tokens, max_model_len, preemption_mode)
+                       max_num_batched_tokens, max_model_len, preemption_mode, policy)
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -93,12 +98,14 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.enable_prefix_caching = enable_prefix_caching
         self.preemption_mode = preemption_mode
+        self.policy = SchedulingPolicy(policy)
         self.kv_cache_manager = KVCacheManager(block_size, num_gpu_blocks, num_cpu_blocks,
                                                enable_prefix_caching)
         self.requests: dict[str, Request] = {}     # unfinished requests by id
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []           # priority order: oldest first
-        self.swapped: deque[Request] = deque()
+        self.waiting = create_request_queue(self.policy)
+        # fcfs: admission order; priority: priority_key order (see _start_running).
+        self.running: list[Request] = []
+        self.swapped = create_request_queue(self.policy)
         self._finished_req_ids: list[str] = []
         self.num_preemptions_total = 0
 
@@ -108,7 +115,7 @@ class Scheduler:
         validate_request(self, request)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.waiting.add_request(request)
 
     def finish_requests(self, request_ids: str | Iterable[str], finished_status: RequestStatus) -> None:
         """Finish requests from outside (abort, stop string). Unknown ids are ignored."""
@@ -129,9 +136,9 @@ class Scheduler:
     def _remove_queued(self, request: Request, status: RequestStatus) -> None:
         """Take a waiting, preempted or swapped request out of its queue."""
         if status is RequestStatus.SWAPPED:
-            self.swapped.remove(request)
+            self.swapped.remove_request(request)
         else:
-            self.waiting.remove(request)
+            self.waiting.remove_request(request)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -169,7 +176,7 @@ class Scheduler:
             self.kv_cache_manager.free(request)
             request.num_computed_tokens = 0
             request.status = RequestStatus.PREEMPTED
-            self.waiting.appendleft(request)
+            self.waiting.prepend_request(request)
         self.running = []
         self.kv_cache_manager.block_pool.reset_prefix_cache()
 
@@ -208,7 +215,7 @@ class Scheduler:
                 updated.append(request)
             if status is RequestStatus.RUNNING:
                 self.kv_cache_manager.cache_blocks(request)
-            if sched.do_sample and self._check_stop(request):
+            if sched.do_sample and check_stop(request, self.max_model_len):
                 if status is RequestStatus.RUNNING:
                     any_finished = True
                 else:
@@ -252,25 +259,25 @@ class Scheduler:
             if pairs is not None:
                 out.blocks_to_swap_out.extend(pairs)
                 request.status = RequestStatus.SWAPPED
-                # Front: later preemptions hit older (higher-priority) requests.
-                self.swapped.appendleft(request)
+                # Front (fcfs): later preemptions hit older (higher-priority) requests.
+                self.swapped.prepend_request(request)
                 return
         self.kv_cache_manager.free(request)
         # Outputs so far are kept and recomputed as part of the request's tokens.
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
-        self.waiting.appendleft(request)
+        self.waiting.prepend_request(request)
 
     def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
         while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.swapped[0]
+            request = self.swapped.peek_request()
             if request.num_output_placeholders:
                 break  # preempted with a token in flight: resume once it is read back
             num_new = min(_num_wanted(request), budget)
             pairs = self.kv_cache_manager.swap_in(request, num_new)
             if pairs is None:
                 break
-            self.swapped.popleft()
+            self.swapped.pop_request()
             out.blocks_to_swap_in.extend(pairs)
             self._start_running(out, request, num_new)
             budget -= num_new
@@ -280,24 +287,24 @@ class Scheduler:
         sharing = {r.parent_id for r in self.running if self._computing_shared_prompt(r)}
         held_back = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+            request = self.waiting.peek_request()
             if request.num_output_placeholders:
                 break  # preempted with a token in flight: resume once it is read back
             grammar = request.structured_output_request
             if (request.parent_id is not None and request.parent_id in sharing) or (
                     grammar is not None and not grammar.is_ready()):
                 # Keeps its place (see module doc), or waits for its grammar to compile.
-                held_back.append(self.waiting.popleft())
+                held_back.append(self.waiting.pop_request())
                 continue
             num_new = self._admit(request, budget)
             if num_new == 0:
-                break  # FCFS: nobody overtakes a request that does not fit
-            self.waiting.popleft()
+                break  # nobody overtakes a request that does not fit (vLLM)
+            self.waiting.pop_request()
             self._start_running(out, request, num_new)
             budget -= num_new
             if self._computing_shared_prompt(request):
                 sharing.add(request.parent_id)
-        self.waiting.extendleft(reversed(held_back))
+        self.waiting.prepend_requests(held_back)
 
     def _admit(self, request: Request, budget: int) -> int:
         """Allocate a waiting request's blocks; tokens to schedule, 0 if it must wait."""
@@ -321,7 +328,12 @@ class Scheduler:
 
     def _start_running(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
         request.status = RequestStatus.RUNNING
-        self.running.append(request)
+        if self.policy is SchedulingPolicy.PRIORITY:
+            # Sorted, so the tail is vLLM's victim, max(running, key=priority_key), and
+            # never one this step scheduled before the request that needs the blocks.
+            bisect.insort(self.running, request, key=priority_key)
+        else:
+            self.running.append(request)
         self._add_scheduled(out, request, num_new)
 
     def _add_scheduled(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
@@ -363,31 +375,6 @@ class Scheduler:
         return self.kv_cache_manager.num_cached_blocks(request) < shared_blocks
 
     # -- finishing -----------------------------------------------------------------------
-
-    def _check_stop(self, request: Request) -> bool:
-        """vLLM v1 order: length cap, then (after min_tokens) EOS and stop_token_ids."""
-        params = request.sampling_params
-        max_tokens = request.max_tokens
-        if request.num_tokens >= self.max_model_len or (
-                max_tokens is not None and request.num_output_tokens >= max_tokens):
-            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-            return True
-        if request.num_output_tokens < (getattr(params, "min_tokens", 0) or 0):
-            return False
-        last = request.output_token_ids[-1]
-        if (not getattr(params, "ignore_eos", False) and request.eos_token_id is not None
-                and last == request.eos_token_id):
-            request.status = RequestStatus.FINISHED_STOPPED
-            return True
-        if last in (getattr(params, "stop_token_ids", None) or ()):
-            request.status = RequestStatus.FINISHED_STOPPED
-            request.stop_reason = last
-            return True
-        grammar = request.structured_output_request
-        if grammar is not None and grammar.is_terminated():
-            request.status = RequestStatus.FINISHED_STOPPED   # the grammar is complete
-            return True
-        return False
 
     def _free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)

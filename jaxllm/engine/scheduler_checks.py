@@ -1,8 +1,10 @@
-"""The scheduler's checks: its settings, and requests that could never run."""
+"""The scheduler's checks: its settings, requests that could never run, and whether
+a request has finished (vLLM's check_stop)."""
 from __future__ import annotations
 
 from jaxllm.engine.kv_cache_manager import cdiv
-from jaxllm.engine.request import Request
+from jaxllm.engine.request import Request, RequestStatus
+from jaxllm.engine.request_queue import SCHEDULING_POLICIES
 
 PREEMPTION_MODES = ("recompute", "swap")
 
@@ -35,7 +37,8 @@ def validate_request(scheduler, request: Request) -> None:
 
 
 def validate_args(block_size: int, num_gpu_blocks: int, num_cpu_blocks: int, max_num_seqs: int,
-                   max_num_batched_tokens: int, max_model_len: int, preemption_mode: str) -> None:
+                   max_num_batched_tokens: int, max_model_len: int, preemption_mode: str,
+                   policy: str = "fcfs") -> None:
     positive = dict(block_size=block_size, max_num_seqs=max_num_seqs,
                     max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len)
     for name, value in positive.items():
@@ -47,3 +50,32 @@ def validate_args(block_size: int, num_gpu_blocks: int, num_cpu_blocks: int, max
         raise ValueError(f"num_cpu_blocks={num_cpu_blocks}: must be >= 0")
     if preemption_mode not in PREEMPTION_MODES:
         raise ValueError(f"preemption_mode={preemption_mode!r}: use one of {PREEMPTION_MODES}")
+    if policy not in SCHEDULING_POLICIES:
+        raise ValueError(f"policy={policy!r}: use one of {SCHEDULING_POLICIES}")
+
+
+def check_stop(request: Request, max_model_len: int) -> bool:
+    """vLLM v1 order: length cap, then (after min_tokens) EOS and stop_token_ids, then a
+    completed grammar. Sets the request's finished status and stop_reason."""
+    params = request.sampling_params
+    max_tokens = request.max_tokens
+    if request.num_tokens >= max_model_len or (
+            max_tokens is not None and request.num_output_tokens >= max_tokens):
+        request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        return True
+    if request.num_output_tokens < (getattr(params, "min_tokens", 0) or 0):
+        return False
+    last = request.output_token_ids[-1]
+    if (not getattr(params, "ignore_eos", False) and request.eos_token_id is not None
+            and last == request.eos_token_id):
+        request.status = RequestStatus.FINISHED_STOPPED
+        return True
+    if last in (getattr(params, "stop_token_ids", None) or ()):
+        request.status = RequestStatus.FINISHED_STOPPED
+        request.stop_reason = last
+        return True
+    grammar = request.structured_output_request
+    if grammar is not None and grammar.is_terminated():
+        request.status = RequestStatus.FINISHED_STOPPED   # the grammar is complete
+        return True
+    return False

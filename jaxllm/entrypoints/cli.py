@@ -43,6 +43,8 @@ ENGINE_HELP = {
     "enable_chunked_prefill": "split long prompts over several steps so decodes keep running",
     "preemption_mode": "when KV blocks run out: recompute, or swap to host memory",
     "async_scheduling": "prepare the next step while the device runs this one",
+    "scheduling_policy": "fcfs (arrival order) or priority (the request's priority, lower "
+                         "first, ties by arrival; preemption takes the lowest first)",
     "tensor_parallel_size": "shard the model over this many devices (must divide the heads)",
     "coordinator_address": "multi-host: host:port of process 0 for jax.distributed",
     "num_processes": "multi-host: how many processes (one per host)",

@@ -26,9 +26,10 @@ class LLM:
         return self.llm_engine.tokenizer
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
         """prompts: a string, a list of strings, or vLLM's {"prompt_token_ids": [...]}
-        dicts (or a list of those). Results come back in input order."""
+        dicts (or a list of those). Results come back in input order. priority: one
+        per prompt (lower first), with LLM(scheduling_policy="priority")."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         elif prompts and isinstance(prompts, list) and isinstance(prompts[0], int):
@@ -38,15 +39,18 @@ class LLM:
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        priority = [0] * len(prompts) if priority is None else list(priority)
+        if len(priority) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(priority)} priorities")
         # Only finished outputs are returned, so the engine builds no others (vLLM).
         final = {}
         params = [final.get(id(p)) or final.setdefault(id(p), dataclasses.replace(
             p, output_kind=RequestOutputKind.FINAL_ONLY)) for p in params]
         ids = []
         try:
-            for prompt, p in zip(prompts, params):
+            for prompt, p, rank in zip(prompts, params, priority):
                 rid = str(next(self._counter))
-                self.llm_engine.add_request(rid, prompt, p)
+                self.llm_engine.add_request(rid, prompt, p, priority=rank)
                 ids.append(rid)
         except Exception:
             self.llm_engine.abort_request(ids)   # nothing half-added stays behind

@@ -171,7 +171,7 @@ class DyingEngine:
         self.steps = 0
         self.release = threading.Event()
 
-    def add_request(self, request_id, prompt, params, arrival_time=None):
+    def add_request(self, request_id, prompt, params, arrival_time=None, priority=0):
         self.requests[request_id] = list(prompt) if isinstance(prompt, list) else [1]
 
     def abort_request(self, request_ids):

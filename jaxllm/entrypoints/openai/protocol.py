@@ -115,6 +115,8 @@ class _SamplingRequest(OpenAIBaseModel):
     guided_grammar: str | None = None
     guided_whitespace_pattern: str | None = None
     guided_decoding_backend: str | None = None   # accepted and ignored, as vLLM does
+    # Lower runs first under --scheduling-policy priority; != 0 on fcfs is a 400 (vLLM).
+    priority: int = 0
 
     _SAMPLING_FIELDS: ClassVar[tuple[str, ...]] = (
         "n", "temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty",

@@ -51,7 +51,8 @@ class OpenAIServingChat(OpenAIServing):
                                  tools=template_tools(request),
                                  template_kwargs=request.chat_template_kwargs)
         request_id, created = self.new_request()
-        generation = await self.start(request_id, [prompt_ids], params, "messages")
+        generation = await self.start(request_id, [prompt_ids], params, "messages",
+                                      priority=request.priority)
         head = {"id": request_id, "created": created, "model": self.models.model_name}
         top_n = params.logprobs
         parsing = tool_mode(request) != "none" or self.reasoning_parser

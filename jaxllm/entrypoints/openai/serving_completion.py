@@ -20,7 +20,8 @@ class OpenAIServingCompletion(OpenAIServing):
                               code="unsupported_parameter")
         params = request.to_sampling_params()
         request_id, created = self.new_request()
-        generation = await self.start(request_id, request.prompt_list(), params, "prompt")
+        generation = await self.start(request_id, request.prompt_list(), params, "prompt",
+                                      priority=request.priority)
         head = {"id": request_id, "object": "text_completion", "created": created,
                 "model": self.models.model_name}
         if request.stream:

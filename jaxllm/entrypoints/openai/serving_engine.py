@@ -41,7 +41,7 @@ class OpenAIServing:
         return f"{self.id_prefix}-{uuid.uuid4().hex}", int(time.time())
 
     async def start(self, request_id: str, prompts: list, params,
-                    prompt_param: str) -> "Generation":
+                    prompt_param: str, priority: int = 0) -> "Generation":
         """Add one request per prompt; return once each has its first output.
 
         Errors the engine raises on add become 400 (too long, bad token ids) or 503,
@@ -49,7 +49,7 @@ class OpenAIServing:
         """
         if self.engine.is_dead:
             raise engine_dead()
-        gens = [self.engine.generate(f"{request_id}-{i}", p, params)
+        gens = [self.engine.generate(f"{request_id}-{i}", p, params, priority)
                 for i, p in enumerate(prompts)]
         tasks = [asyncio.ensure_future(anext(g)) for g in gens]
         try:
@@ -64,7 +64,7 @@ class OpenAIServing:
             if isinstance(e, ValueError):
                 code = "context_length_exceeded" if "maximum context length" in str(e) else None
                 # Checks that need the model (its vocabulary) name their field first.
-                field = next((f for f in ("structured_outputs", "stop_token_ids")
+                field = next((f for f in ("structured_outputs", "stop_token_ids", "priority")
                               if str(e).startswith(f)), None)
                 param = field or prompt_param
                 raise bad_request(str(e), param=param, code=code) from e

@@ -1,0 +1,39 @@
+"""Issue 22's launch flags: --scheduling-policy (and its config-file key); a bad
+value is one line naming the setting, exit code 2, before the model loads."""
+import pytest
+
+from jaxllm.config_file import build_config
+from jaxllm.entrypoints.cli import build_parser, main
+
+NO_CACHE = ["--compilation-cache-dir", "none"]
+
+
+def run_cli(capsys, *argv):
+    with pytest.raises(SystemExit) as e:
+        main([*argv, *NO_CACHE])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    return e.value.code, lines[0]
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["serve", "--scheduling-policy", "lifo"], ["scheduling_policy='lifo'",
+                                                "choose one of fcfs, priority"]),
+])
+def test_bad_value_is_one_line_naming_the_setting(capsys, argv, words):
+    code, line = run_cli(capsys, *argv)
+    assert code == 2 and all(w in line for w in words), line
+
+
+def test_scheduling_policy_from_flag_and_config_file(tmp_path):
+    assert build_config().scheduler.scheduling_policy == "fcfs"
+    path = tmp_path / "c.yaml"
+    path.write_text("scheduler:\n  scheduling_policy: priority\n")
+    assert build_config(str(path)).scheduler.scheduling_policy == "priority"
+    toml = tmp_path / "c.toml"
+    toml.write_text('scheduling-policy = "priority"\n')
+    assert build_config(str(toml)).scheduler.scheduling_policy == "priority"
+    assert build_config(str(path), {"scheduling_policy": "fcfs"}).scheduler \
+        .scheduling_policy == "fcfs"
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    assert "--scheduling-policy" in serve.format_help()
