@@ -49,6 +49,35 @@ def num_sms() -> int:
     return int(count) if count else FALLBACK_NUM_SMS
 
 
+# Shared memory one thread block may use on Hopper (H100 / H200: 227 KiB, opt-in).
+SMEM_BYTES = 232_448
+# Bytes of f32 accumulator [M, Dp] a program keeps in registers: 256 x 128 (the tuned
+# bf16 setting). Twice that (head_dim 256) would not fit 8 warps' registers.
+ACC_BYTES = 256 * 128 * 4
+
+
+def kv_smem_bytes(tile: int, dp: int, kv_itemsize: int, num_stages: int) -> int:
+    """Shared memory Triton's pipeliner takes for the KV loads of a kernel: three
+    ``[tile, Dp]`` buffers per stage. It reproduces the H200's refusal of the ragged
+    kernel at f32 x head_dim 128 (3 stages, 64 keys): 294,912 bytes requested."""
+    return 3 * num_stages * tile * dp * kv_itemsize
+
+
+def fit_kv_pipeline(block_size: int, blocks_per_step: int, dp: int, kv_itemsize: int,
+                    num_stages: int, budget: int = SMEM_BYTES) -> tuple[int, int]:
+    """(blocks_per_step, num_stages) within the shared-memory budget: fewer stages
+    first (down to 2, which still overlaps a load with the dot), then fewer keys per
+    step (down to one pool block). The tuned 2-byte settings at head_dim <= 128 fit
+    as they are."""
+    def need():
+        return kv_smem_bytes(blocks_per_step * block_size, dp, kv_itemsize, num_stages)
+    while need() > budget and num_stages > 2:
+        num_stages -= 1
+    while need() > budget and blocks_per_step > 1:
+        blocks_per_step //= 2
+    return blocks_per_step, num_stages
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 

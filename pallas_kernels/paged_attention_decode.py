@@ -52,12 +52,18 @@ def default_k_splits(num_seqs, num_kv_heads, max_steps):
     return max(1, min(want, max_steps // 2))
 
 
+def default_settings(dp: int, bs: int, kv_itemsize: int) -> tuple[int, int]:
+    """(blocks_per_step, num_stages): the tuned 64 keys x 2 stages, within the
+    shared-memory budget (common.fit_kv_pipeline)."""
+    return common.fit_kv_pipeline(bs, max(1, 64 // bs), dp, kv_itemsize, 2)
+
+
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "sliding_window", "k_scale", "v_scale", "num_q_heads", "blocks_per_step",
     "k_splits", "num_warps", "num_stages", "interpret"))
 def paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, *, sm_scale,
                            sliding_window=None, k_scale=1.0, v_scale=1.0, num_q_heads=None,
-                           blocks_per_step=None, k_splits=None, num_warps=4, num_stages=2,
+                           blocks_per_step=None, k_splits=None, num_warps=4, num_stages=None,
                            interpret=False):
     """Same contract as ``ref_paged_attention_decode``; the rest are kernel settings.
     With ``num_q_heads`` the kernel reads the query rows in place (no slice copy)."""
@@ -68,8 +74,8 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, *, sm_sc
     gp, dp = max(16, common.next_pow2(g)), common.next_pow2(d)
     # 64 keys per step, 4 warps, 2 stages: the best of the H200 sweep at B=64 ctx 2048
     # (0.136 ms, 3.95 TB/s; scripts/bench_kernels.py).
-    if blocks_per_step is None:
-        blocks_per_step = max(1, 64 // bs)
+    fit = default_settings(dp, bs, k_cache.dtype.itemsize)
+    blocks_per_step, num_stages = blocks_per_step or fit[0], num_stages or fit[1]
     tile = blocks_per_step * bs
     max_steps = common.cdiv(block_tables.shape[1] * bs, tile)
     ns = k_splits or default_k_splits(num_seqs, hkv, max_steps)

@@ -123,15 +123,27 @@ def tile_schedule(query_start_loc, seq_lens, num_tokens, block_q):
                       kv_lens[sc]], axis=1)
 
 
+def default_settings(gp: int, dp: int, bs: int, kv_itemsize: int) -> tuple[int, int, int]:
+    """(block_q, blocks_per_step, num_stages) for padded heads per KV head gp, padded
+    head dim dp, block size bs: the tuned 256 rows x 64 keys x 3 stages where they fit,
+    fewer rows where the f32 accumulator [rows, Dp] would outgrow the registers, and a
+    KV pipeline within the shared-memory budget."""
+    block_q = max(1, min(256, common.ACC_BYTES // (4 * dp)) // gp)
+    blocks_per_step, num_stages = common.fit_kv_pipeline(bs, max(1, 64 // bs), dp,
+                                                         kv_itemsize, 3)
+    return block_q, blocks_per_step, num_stages
+
+
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "sliding_window", "k_scale", "v_scale", "block_q", "blocks_per_step",
     "num_warps", "num_stages", "interpret"))
 def ragged_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                            *, sm_scale, sliding_window=None, k_scale=1.0, v_scale=1.0,
-                           block_q=None, blocks_per_step=None, num_warps=8, num_stages=3,
+                           block_q=None, blocks_per_step=None, num_warps=8, num_stages=None,
                            interpret=False):
     """Same contract as ``ref_ragged_paged_attention``; the rest are kernel settings
-    (block_q query tokens per program, blocks_per_step pool blocks per inner step)."""
+    (block_q query tokens per program, blocks_per_step pool blocks per inner step).
+    Unset ones follow the dtype and head dim (common.fit_kv_pipeline)."""
     num_tokens, hq, d = q.shape
     hkv, nb, bs, _ = k_cache.shape
     g = hq // hkv
@@ -140,8 +152,9 @@ def ragged_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_st
     # the H200 at 8 x 2048 causal, 0.773 ms against 0.854 ms for the best 128-row
     # setting and 1.038 ms for 128 rows on 4 warps (scripts/bench_kernels.py sweep);
     # 4 stages gave 0.760 ms, 3 are kept for their smaller shared-memory footprint.
-    block_q = block_q or max(1, 256 // gp)
-    blocks_per_step = blocks_per_step or max(1, 64 // bs)
+    fit = default_settings(gp, dp, bs, k_cache.dtype.itemsize)
+    block_q, blocks_per_step = block_q or fit[0], blocks_per_step or fit[1]
+    num_stages = num_stages or fit[2]
     tiles = tile_schedule(query_start_loc, seq_lens, num_tokens, block_q)
     kernel = functools.partial(
         _ragged_kernel, hq=hq, g=g, gp=gp, d=d, dp=dp, bs=bs, block_q=block_q,

@@ -63,6 +63,19 @@ def test_ragged_lowers(cfg):
     assert "triton" in lower_for_cuda(fn, *args)
 
 
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, BF16], ids=str)
+def test_every_dtype_and_head_dim_lowers(dtype, d):
+    """The nine dtype x head_dim combinations a model may run (tiles from
+    default_settings; their shared memory is only checked on the device)."""
+    decode = functools.partial(paged_attention_decode, sm_scale=0.1)
+    args = _shapes(64, 64, 16, 4, d, 16, dtype, q_dtype=dtype)
+    assert "triton" in lower_for_cuda(decode, *args[:5])
+    ragged = functools.partial(ragged_paged_attention, sm_scale=0.1)
+    assert "triton" in lower_for_cuda(ragged, *_shapes(512, 16, 16, 4, d, 16, dtype,
+                                                       q_dtype=dtype))
+
+
 @pytest.mark.parametrize("hkv,d,dtype", [(8, 128, BF16), (3, 80, FP8), (2, 64, BF16)])
 def test_kv_write_lowers(hkv, d, dtype):
     pool = SD((hkv, 1000, 16, d), dtype)
