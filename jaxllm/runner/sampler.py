@@ -5,7 +5,8 @@ bucket), V vocab entries, K top logprobs (0 or MAX_LOGPROBS), Lp / Lo / Lb padde
 prompt / output / blocked token lists. What varies per batch but changes the
 program (penalties on, filters on, logprobs wanted, all greedy) is a hashable
 ``SamplerFlags`` passed as a static argument, so the common path (no penalties, no
-filters) pays neither for the [S, V] scatter-adds nor for the [S, V] sort.
+filters) pays neither for the [S, V] scatter-adds nor for the filters' threshold
+searches (top_k_top_p.py: no [S, V] sort).
 
 Order of operations is vLLM's: penalties on the raw logits, then greedy argmax
 (for temperature 0 rows), else temperature, min-p, top-k, top-p and a Gumbel-max
@@ -27,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxllm.runner.top_k_top_p import apply_top_k_top_p
 from jaxllm.sampling_params import MAX_LOGPROBS, SAMPLING_EPS, SamplingParams
 
 
@@ -209,26 +211,6 @@ def apply_min_p(logits: jax.Array, min_p: jax.Array) -> jax.Array:
     """
     threshold = jnp.max(logits, axis=-1, keepdims=True) + jnp.log(min_p)[:, None]
     return jnp.where(logits < threshold, -jnp.inf, logits)
-
-
-def apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """vLLM's top-k then top-p, by one ascending sort. logits f32[S, V].
-
-    top_k i32[S] (0 = off), top_p f32[S] (1 = off). Top-p renormalises over the
-    top-k survivors and keeps the smallest set whose mass reaches p; the cumsum
-    runs in ascending order (as vLLM) so p = 1 never cuts the tail by rounding.
-    Ties with a threshold value are kept.
-    """
-    vocab = logits.shape[-1]
-    srt = jnp.sort(logits, axis=-1)
-    k = jnp.where(top_k > 0, jnp.clip(top_k, 1, vocab), vocab)
-    kth = jnp.take_along_axis(srt, (vocab - k)[:, None], axis=-1)
-    srt = jnp.where(srt < kth, -jnp.inf, srt)
-    cum = jnp.cumsum(jax.nn.softmax(srt, axis=-1), axis=-1)
-    n_drop = jnp.sum(cum <= 1.0 - top_p[:, None], axis=-1)
-    # The largest logit always survives, even if rounding says otherwise.
-    pth = jnp.take_along_axis(srt, jnp.minimum(n_drop, vocab - 1)[:, None], axis=-1)
-    return jnp.where(logits < jnp.maximum(kth, pth), -jnp.inf, logits)
 
 
 def row_keys(seeds: jax.Array, output_index: jax.Array) -> jax.Array:
