@@ -24,16 +24,21 @@ class ModelConfig:
     quantization: str | None = None
     served_model_name: tuple[str, ...] = ()
     chat_template: str | None = None  # path to a Jinja file overriding the tokenizer's
+    # vLLM's --runner: generate, or pooling (embeddings: jaxllm/pooling/); auto picks
+    # pooling for BERT-family encoders and generate for the rest.
+    runner: str = "auto"
 
     def __post_init__(self):
         _check_choice("dtype", self.dtype, ("auto", "bfloat16", "float16", "float32"))
         _check_choice("load_format", self.load_format, ("auto", "safetensors", "gguf", "dummy"))
+        _check_choice("runner", self.runner, ("auto", "generate", "pooling"))
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len={self.max_model_len}: must be >= 1")
-        if self.quantization not in (None, "gguf"):
-            raise ConfigError(
-                f"quantization={self.quantization!r} is not supported; GGUF files are "
-                "dequantized on load, leave quantization unset")
+        # None: the checkpoint's quantization_config decides (models/quant_config.py).
+        choices = ("gguf", "fp8", "int8", "compressed-tensors")
+        if self.quantization is not None and self.quantization not in choices:
+            raise ConfigError(f"quantization={self.quantization!r} is not supported; "
+                              f"choose one of {', '.join(choices)}, or leave it unset")
 
 
 @dataclass(frozen=True)
@@ -118,10 +123,16 @@ class ServerConfig:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    # Overload protection (vLLM has none): with this many requests waiting, a new one
+    # gets a 429 with Retry-After at once (engine/async_llm.py). None: unbounded.
+    max_waiting_requests: int | None = None
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port={self.port}: must be in 0..65535")
+        if self.max_waiting_requests is not None and self.max_waiting_requests < 1:
+            raise ConfigError(f"max_waiting_requests={self.max_waiting_requests}: must be "
+                              ">= 1 (leave it unset for no bound)")
         if self.enable_auto_tool_choice and not self.tool_call_parser:
             raise ConfigError("enable_auto_tool_choice needs tool_call_parser (e.g. hermes)")
         from jaxllm.entrypoints.openai.tool_parsers import ToolParserManager

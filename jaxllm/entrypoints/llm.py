@@ -16,11 +16,30 @@ from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
-    def __init__(self, model: str | None = None, *, dtype: str = "auto", **engine_args):
-        from jaxllm.engine.llm_engine import LLMEngine
+    def __init__(self, model: str | None = None, *, dtype: str = "auto",
+                 task: str | None = None, **engine_args):
+        """runner="pooling" (or vLLM's task="embed") loads an embedding model for
+        LLM.embed (jaxllm/pooling/); "auto" picks it for BERT-family encoders."""
+        from jaxllm.pooling.model_info import resolve_runner
+        from jaxllm.pooling.offline import runner_from_task
+        if task is not None:
+            engine_args.setdefault("runner", runner_from_task(task))
         config = engine_config_from_flat(model=model, dtype=dtype, **engine_args)
-        self.llm_engine = LLMEngine.from_config(config)
+        self.runner_type = resolve_runner(config.model)
+        if self.runner_type == "pooling":
+            from jaxllm.pooling.engine import PoolingEngine
+            self.llm_engine = PoolingEngine(config)
+        else:
+            from jaxllm.engine.llm_engine import LLMEngine
+            self.llm_engine = LLMEngine.from_config(config)
         self._counter = itertools.count()
+
+    def embed(self, prompts, pooling_params=None, *, truncate_prompt_tokens: int | None = None,
+              use_tqdm: bool = True):
+        """vLLM's LLM.embed: one EmbeddingRequestOutput per prompt (a string, token
+        ids or {"prompt_token_ids": [...]}), in input order; ``out.outputs.embedding``."""
+        from jaxllm.pooling.offline import embed
+        return embed(self, prompts, pooling_params, truncate_prompt_tokens, use_tqdm)
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
@@ -30,6 +49,8 @@ class LLM:
         """prompts: a string, a list of strings, or vLLM's {"prompt_token_ids": [...]}
         dicts (or a list of those). Results come back in input order. priority: one
         per prompt (lower first), with LLM(scheduling_policy="priority")."""
+        from jaxllm.pooling.offline import check_generate
+        check_generate(self)
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         elif prompts and isinstance(prompts, list) and isinstance(prompts[0], int):

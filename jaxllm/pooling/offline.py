@@ -1,0 +1,82 @@
+"""LLM.embed: vLLM's offline embedding call over the pooling engine.
+
+Texts go through in chunks: while the device embeds one chunk, a thread tokenizes
+the next (the Rust tokenizer releases the GIL), so tokenizing a million texts hides
+behind the model. Each chunk is length-sorted by the runner.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+
+from jaxllm.pooling.outputs import EmbeddingOutput, EmbeddingRequestOutput
+from jaxllm.pooling.params import PoolingParams
+
+CHUNK = 32768      # texts per chunk: big enough for full steps, small enough to overlap
+
+
+def as_prompt_list(prompts) -> list:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [{"prompt_token_ids": prompts}]
+    return prompts
+
+
+def embed(llm, prompts, pooling_params: PoolingParams | None = None,
+          truncate_prompt_tokens: int | None = None,
+          use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+    if llm.runner_type != "pooling":
+        raise ValueError("LLM.embed() is only supported for pooling models; this LLM runs "
+                         "the model with runner='generate'. Pass runner='pooling' (or "
+                         "task='embed') to use it as an embedding model.")
+    engine = llm.llm_engine
+    prompts = as_prompt_list(prompts)
+    params = pooling_params or PoolingParams()
+    if truncate_prompt_tokens is not None:
+        params = dataclasses.replace(params, truncate_prompt_tokens=truncate_prompt_tokens)
+    engine.check_params(params)
+    bar = None
+    if use_tqdm:
+        from tqdm import tqdm
+        bar = tqdm(total=len(prompts), desc="Embedded prompts", dynamic_ncols=True)
+    chunks = [prompts[i:i + CHUNK] for i in range(0, len(prompts), CHUNK)]
+    results: list[EmbeddingRequestOutput] = []
+    dims = params.dimensions or engine.info.hidden_size
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxllm-tok") as pool:
+            ahead = pool.submit(engine.tokenize, chunks[0], params) if chunks else None
+            for k, chunk in enumerate(chunks):
+                ids = ahead.result()
+                if k + 1 < len(chunks):
+                    ahead = pool.submit(engine.tokenize, chunks[k + 1], params)
+                vectors = engine.embed_ids(ids, params, bar.update if bar else None)
+                for i, p in enumerate(chunk):
+                    rid = str(next(llm._counter))
+                    results.append(EmbeddingRequestOutput(
+                        rid, EmbeddingOutput(vectors[i, :dims]), ids[i], True,
+                        p if isinstance(p, str) else None))
+    finally:
+        if bar is not None:
+            bar.close()
+    return results
+
+
+def check_generate(llm) -> None:
+    if llm.runner_type == "pooling":
+        raise ValueError("LLM.generate() is only supported for generative models; this LLM "
+                         "runs the model with runner='pooling'. Use LLM.embed(), or pass "
+                         "runner='generate' for a decoder model.")
+
+
+def runner_from_task(task: str) -> str:
+    """vLLM's older spelling: task='embed' is runner='pooling'."""
+    runners = {"embed": "pooling", "embedding": "pooling", "generate": "generate",
+               "auto": "auto"}
+    if task not in runners:
+        from jaxllm.config import ConfigError
+        raise ConfigError(f"task={task!r}: jaxllm runs 'generate' and 'embed'")
+    return runners[task]
+
+

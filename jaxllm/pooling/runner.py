@@ -1,0 +1,133 @@
+"""The pooling model runner: token lists in, pooled float32 vectors out.
+
+Inputs are padded [B, T] buckets, not one packed ragged row. Sorted by length, each
+step's rows are near-equal in length (T buckets every 8 tokens up to 128), so padding
+costs little, and attention is a dense batched matmul that XLA runs well on a GPU; a
+packed step with segment ids would need an [N, N] mask over all its tokens (or a
+segment-aware kernel) to keep texts apart. A step fills the token budget
+(max_num_batched_tokens, at most max_num_seqs rows); a (B, T) shape compiles once on
+first use.
+
+Each step is one host-to-device array (ids, lengths, dimensions and the normalize
+flag packed as int32 [B, T + 3]) and one device-to-host array (float32 [B, E]):
+pooling, the Matryoshka cut and normalization run on the device. Two steps are in
+flight, so the host packs step i + 1 while the device runs step i.
+
+Letter legend: B rows, T tokens, E hidden, N texts.
+"""
+from __future__ import annotations
+
+import bisect
+import collections
+import functools
+from collections.abc import Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxllm.pooling.loading import LoadedPoolingModel
+
+
+def seq_buckets(max_len: int) -> list[int]:
+    """Row lengths a step is padded to: every 8 up to 128, every 32 up to 512, then
+    powers of two, the last one max_len."""
+    out = [t for t in range(8, 129, 8)] + [t for t in range(160, 513, 32)]
+    t = 1024
+    while t < max_len:
+        out.append(t)
+        t *= 2
+    return sorted({min(t, max_len) for t in out} | {max_len})
+
+
+def _pool_step(graphdef, state, packed, *, pooling: str, is_encoder: bool):
+    """packed: i32 [B, T + 3] = ids | length | dimensions | normalize -> f32 [B, E]."""
+    from jaxllm.pooling.decoder import decoder_hidden
+    model = nnx.merge(graphdef, state)
+    ids, lengths = packed[:, :-3], packed[:, -3]
+    dims, normalize = packed[:, -2], packed[:, -1] > 0
+    hidden = (model(ids, lengths) if is_encoder else decoder_hidden(model, ids, lengths))
+    hidden = hidden.astype(jnp.float32)
+    b, t, e = hidden.shape
+    if pooling == "CLS":
+        pooled = hidden[:, 0]
+    elif pooling == "LAST":
+        pooled = hidden[jnp.arange(b), jnp.maximum(lengths - 1, 0)]
+    else:   # MEAN over the row's real tokens
+        valid = (jnp.arange(t)[None, :] < lengths[:, None]).astype(jnp.float32)
+        pooled = jnp.einsum("bte,bt->be", hidden, valid) / jnp.maximum(
+            valid.sum(axis=1, keepdims=True), 1.0)
+    # Matryoshka: the first d dimensions, normalized after the cut (as vLLM).
+    pooled = jnp.where(jnp.arange(e)[None, :] < dims[:, None], pooled, 0.0)
+    norm = jnp.sqrt(jnp.sum(pooled * pooled, axis=-1, keepdims=True))
+    return jnp.where(normalize[:, None], pooled / jnp.maximum(norm, 1e-12), pooled)
+
+
+class PoolingRunner:
+    def __init__(self, loaded: LoadedPoolingModel, pooling_type: str, max_model_len: int,
+                 max_num_batched_tokens: int, max_num_seqs: int):
+        self.graphdef, self.state = loaded.graphdef, loaded.state
+        self.hidden_size = loaded.arch.hidden_size
+        self.max_model_len = max_model_len
+        self.budget, self.max_rows = max_num_batched_tokens, max_num_seqs
+        self.buckets = seq_buckets(max_model_len)
+        self._step = jax.jit(functools.partial(_pool_step, self.graphdef, pooling=pooling_type,
+                                               is_encoder=loaded.is_encoder))
+
+    def rows_for(self, t: int) -> int:
+        """Rows of a full step padded to length t."""
+        return max(1, min(self.max_rows, self.budget // t))
+
+    def plan(self, lengths: np.ndarray) -> list[tuple[np.ndarray, int, int]]:
+        """Steps as (row indices into `lengths`, T, B), rows sorted by length."""
+        order = np.argsort(lengths, kind="stable")
+        sorted_len = lengths[order]
+        steps, start, n = [], 0, len(order)
+        while start < n:
+            t = self.buckets[bisect.bisect_left(self.buckets, int(sorted_len[start]))]
+            end = int(np.searchsorted(sorted_len, t, side="right"))
+            cap = self.rows_for(t)
+            for s in range(start, end, cap):
+                rows = order[s:min(s + cap, end)]
+                steps.append((rows, t, cap if len(rows) == cap else _row_bucket(len(rows), cap)))
+            start = end
+        return steps
+
+    def run(self, token_lists: list, dims: np.ndarray, normalize: np.ndarray,
+            on_step: Callable[[int], None] | None = None) -> np.ndarray:
+        """token_lists: N lists of ids (each 1..max_model_len long); dims: i32 [N]
+        (E = whole); normalize: bool [N]. Returns float32 [N, E] in input order.
+        on_step(rows done) is called as each step's vectors arrive."""
+        lengths = np.fromiter((len(t) for t in token_lists), np.int32, len(token_lists))
+        out = np.empty((len(token_lists), self.hidden_size), np.float32)
+        for rows, vectors in self._steps(token_lists, lengths, dims, normalize):
+            out[rows] = vectors
+            if on_step is not None:
+                on_step(len(rows))
+        return out
+
+    def _steps(self, token_lists, lengths, dims, normalize) -> Iterator:
+        in_flight: collections.deque = collections.deque()
+        for rows, t, b in self.plan(lengths):
+            packed = np.zeros((b, t + 3), np.int32)
+            for j, r in enumerate(rows):
+                packed[j, :lengths[r]] = token_lists[r]
+            packed[:len(rows), -3] = lengths[rows]
+            packed[:len(rows), -2] = dims[rows]
+            packed[:len(rows), -1] = normalize[rows]
+            in_flight.append((rows, self._step(self.state, packed)))
+            if len(in_flight) > 1:
+                done, result = in_flight.popleft()
+                yield done, np.asarray(result)[:len(done)]
+        while in_flight:
+            done, result = in_flight.popleft()
+            yield done, np.asarray(result)[:len(done)]
+
+
+def _row_bucket(n: int, cap: int) -> int:
+    """A partial step's rows: the next power of two (at least 8), at most cap."""
+    b = 8
+    while b < n:
+        b *= 2
+    return min(b, cap)
