@@ -159,3 +159,51 @@ def test_record_rejected_counts_by_reason():
     s = samples(m)
     assert s["jaxllm:request_rejected_total", (("reason", "max_waiting_requests"),)] == 2
     assert s["jaxllm:request_rejected_total", (("reason", "other"),)] == 1
+
+
+def test_real_engine_with_preemptions(tiny_model):
+    """The tiny Llama with too few KV blocks for its load: the engine preempts, and the
+    per-request series still count every request and token once."""
+    import asyncio
+
+    from jaxllm.config import engine_config_from_flat
+    from jaxllm.engine.async_llm import AsyncLLM
+    from jaxllm.sampling_params import SamplingParams
+
+    folder, _ = tiny_model("llama")
+    config = engine_config_from_flat(
+        model=folder, dtype="float32", max_model_len=128, max_num_seqs=8,
+        max_num_batched_tokens=64, num_gpu_blocks_override=12, enforce_eager=True,
+        preemption_mode="recompute")
+    engine = AsyncLLM.from_config(config, multiprocess=False)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [[(5 * i + j) % 200 + 3 for j in range(10 + 4 * i)] for i in range(8)]
+
+    async def one(i):
+        async for out in engine.generate(f"r{i}", {"prompt_token_ids": prompts[i]}, params):
+            last = out
+        return last
+
+    async def run_all():
+        return await asyncio.gather(*(one(i) for i in range(len(prompts))))
+
+    try:
+        outs = asyncio.run(run_all())
+    finally:
+        engine.shutdown()
+    s = samples(engine.metrics)
+    assert s["vllm:num_preemptions_total", ()] > 0
+    assert s["vllm:num_preemptions_total", ()] == engine.metrics.stats.num_preemptions_total
+    assert [len(o.outputs[0].token_ids) for o in outs] == [12] * 8
+    assert s["vllm:request_success_total", (("finished_reason", "length"),)] == 8
+    assert s["vllm:generation_tokens_total", ()] == 8 * 12
+    assert s["vllm:prompt_tokens_total", ()] == sum(map(len, prompts))
+    assert s["vllm:iteration_tokens_total_sum", ()] == 8 * 12 + sum(map(len, prompts))
+    assert s["vllm:inter_token_latency_seconds_count", ()] == 8 * 11
+    for name in ("request_queue_time_seconds", "request_prefill_time_seconds",
+                 "request_decode_time_seconds", "request_inference_time_seconds"):
+        assert s[f"vllm:{name}_count", ()] == 8, name
+    assert s["vllm:request_inference_time_seconds_sum", ()] == pytest.approx(
+        s["vllm:request_prefill_time_seconds_sum", ()]
+        + s["vllm:request_decode_time_seconds_sum", ()], abs=1e-6)
+    assert s["vllm:num_requests_running", ()] == s["vllm:num_requests_waiting", ()] == 0

@@ -174,3 +174,39 @@ def test_rejected_counter_has_its_labels(server_url, async_engine):
     after = rejected()
     assert after[key] == before + 1
     assert {tuple(k for k, _ in labels) for labels in after} == {("model_name", "reason")}
+
+
+def test_engine_process_outputs_carry_the_phase_times(server_config):
+    """With the engine in its own process, the engine's times come over the wire
+    with the deltas: every phase histogram is observed."""
+    import asyncio
+
+    from prometheus_client import generate_latest
+
+    from jaxllm.engine.async_llm import AsyncLLM
+    from jaxllm.sampling_params import SamplingParams
+
+    engine = AsyncLLM.from_config(server_config, multiprocess=True)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+    async def run():
+        async for out in engine.generate("mp", "hello world", params):
+            last = out
+        return last
+
+    try:
+        out = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    text = generate_latest(engine.metrics.registry).decode()
+    s = {x.name: x.value for f in text_string_to_metric_families(text) for x in f.samples
+         if set(x.labels) == BASE}
+    assert out.metrics.first_scheduled_time is not None
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds",
+                 "request_queue_time_seconds", "request_prefill_time_seconds",
+                 "request_decode_time_seconds", "request_inference_time_seconds",
+                 "request_time_per_output_token_seconds"):
+        assert s[f"vllm:{name}_count"] == 1, name
+    assert s["vllm:inter_token_latency_seconds_count"] == 3
+    assert s["vllm:generation_tokens_total"] == 4
+    assert s["vllm:prompt_tokens_total"] == len(out.prompt_token_ids)
