@@ -162,6 +162,13 @@ def check_model(config: EngineConfig):
     from jaxllm.models.info import read_model_arch
     arch, source = read_model_arch(config.model.model, config.model.load_format)
     check_against_model(config, arch, source)
+    from jaxllm.models.errors import CheckpointError
+    from jaxllm.models.info import check_checkpoint
+    mc = config.model
+    try:   # a quantized checkpoint jaxllm cannot run is refused before the weights load
+        check_checkpoint(mc.model, mc.load_format, mc.quantization, arch)
+    except CheckpointError as e:
+        raise ConfigError(f"model={mc.model!r}: {e}") from None
     return arch
 
 

@@ -28,9 +28,13 @@ ENGINE_HELP = {
     "load_format": "auto | safetensors | gguf | dummy (random weights of the model's shape, "
                    "built on the device)",
     "seed": "seed for random weights and for requests that set none",
-    "quantization": "unused: GGUF files are dequantized on load",
+    "quantization": "fp8 | int8: quantize a float model's linear layers at load (W8A8, "
+                    "per-channel weights, per-token activations); default: the "
+                    "checkpoint's quantization_config (compressed-tensors, fp8)",
     "served_model_name": "name(s) the server answers to; default: the model path",
     "chat_template": "Jinja file overriding the tokenizer's chat template",
+    "runner": "generate, or pooling (embeddings: LLM.embed, /v1/embeddings, jaxllm embed); "
+              "auto: pooling for BERT-family encoders and bare *Model decoders",
     "block_size": "tokens per KV-cache block: 8, 16 or 32",
     "gpu_memory_utilization": "fraction of GPU memory for weights, activations and KV cache",
     "kv_cache_dtype": "auto (the model dtype) or fp8 (e4m3: twice the KV blocks)",
@@ -59,6 +63,8 @@ ENGINE_HELP = {
     "tool_call_parser": "how the model writes tool calls: hermes (Qwen2.5/3), qwen3_xml "
                         "(Qwen3-Coder), llama3_json, mistral, pythonic",
     "reasoning_parser": "split the model's thinking into 'reasoning': qwen3, deepseek_r1",
+    "max_waiting_requests": "answer 429 (with Retry-After) at once while this many requests "
+                            "wait for their first token; default: no bound",
     "attention_backend": "auto (pallas on GPU, reference on CPU) | pallas | reference",
     "compilation_cache_dir": "persistent XLA compilation cache folder; none turns it off",
     "enforce_eager": "skip compiling every bucket at warm-up (quicker start, slower first steps)",
@@ -144,6 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server", allow_abbrev=False)
     add_engine_args(p, server=True)
     p.set_defaults(func=cmd_serve)
+    from jaxllm.pooling.embed_cli import add_embed_parser
+    add_embed_parser(sub, add_engine_args)
 
     p = sub.add_parser("generate", help="complete prompts, JSON lines out", allow_abbrev=False)
     add_engine_args(p)
@@ -221,6 +229,10 @@ def launch_config(args, engine_process: bool = False):
                               f"{flags['model']!r}); keep one")
         flags["model"] = args.model_path
     config = config_file.build_config(args.config, flags, LAUNCH_DEFAULTS)
+    from jaxllm.pooling.model_info import resolve_runner
+    if resolve_runner(config.model) == "pooling":   # (config, PoolingModelInfo)
+        from jaxllm.pooling.embed_cli import check_pooling_launch
+        return config, check_pooling_launch(config, args.command)
     if engine_process and config.parallel.process_id == 0 \
             and not config.server.disable_frontend_multiprocessing:
         return config, config_file.check_model(config)
@@ -256,7 +268,10 @@ def report_cache() -> None:
 
 
 def cmd_serve(args) -> int:
-    config, _ = launch_config(args, engine_process=True)
+    config, arch = launch_config(args, engine_process=True)
+    if hasattr(arch, "pooling_type"):     # the pooling runner: no engine process
+        from jaxllm.pooling.server import run_pooling_server
+        return run_pooling_server(config)
     spawned = None
     if not config.server.disable_frontend_multiprocessing:
         # The engine process loads while this one imports the server (a second or so).

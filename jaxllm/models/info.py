@@ -27,3 +27,23 @@ def read_model_arch(model: str | None, load_format: str = "auto") -> tuple[ArchC
     except (CheckpointError, UnsupportedModelError, FileNotFoundError) as e:
         raise ConfigError(f"model={model!r}: {e}; give an HF model folder (config.json + "
                           "*.safetensors) or a .gguf file") from None
+
+
+def check_checkpoint(model, load_format: str, quantization: str | None, arch) -> None:
+    """The launcher's check, before any backend starts: the quantization settings
+    resolve and (for an HF folder's real weights) every quantized tensor and scale
+    fits. Raises CheckpointError naming the problem."""
+    from jaxllm.models.loader import SafetensorsReader
+    from jaxllm.models.quant_config import resolve_quantization
+    from jaxllm.models.quant_loader import QuantWeights, check_float_tensors
+    if model is None or model.endswith(".gguf") or load_format == "gguf":
+        resolve_quantization(None, quantization, arch.num_layers, model or "the default model")
+        return
+    source = os.path.join(model, "config.json")
+    quant = resolve_quantization(read_hf_config(model), quantization, arch.num_layers, source)
+    if load_format == "dummy":
+        return
+    reader = SafetensorsReader(model)
+    check_float_tensors(reader, quant, model)
+    if quant is not None:
+        QuantWeights(arch, quant, reader, model)

@@ -15,6 +15,8 @@ from flax import nnx
 
 from jaxllm.layers.attention import (AttentionMetadata, AttentionSpec, paged_attention,
                                     paged_attention_qkv)
+from jaxllm.layers.quantization.linear import QuantLinear
+from jaxllm.layers.quantization.schemes import QuantConfig
 from jaxllm.layers.rotary import apply_rotary, inv_frequencies
 from jaxllm.models.registry import ArchConfig
 from jaxllm.parallel.mesh import tp_size
@@ -25,6 +27,23 @@ nnx.use_eager_sharding(False)
 def _param(rngs: nnx.Rngs, shape, dtype, axes, scale=0.02):
     value = (jax.random.normal(rngs.params(), shape, jnp.float32) * scale).astype(dtype)
     return nnx.Param(value, out_sharding=axes)
+
+
+def _linear(rngs, dtype, quant: QuantConfig | None, path: str, in_shape, out_shape,
+            in_axes, out_axes):
+    """A projection's weight: a float [K..., N...] parameter, or a QuantLinear
+    ([N..., K...]) when `quant` names `path`."""
+    scheme = quant.scheme(path) if quant is not None else None
+    if scheme is not None:
+        return QuantLinear(scheme, out_shape, in_shape, out_axes, in_axes)
+    return _param(rngs, in_shape + out_shape, dtype, in_axes + out_axes)
+
+
+def _proj(w, x, eq: str):
+    """x times a projection's weight: the einsum `eq`, or the QuantLinear's matmul."""
+    if isinstance(w, QuantLinear):
+        return w(x)
+    return jnp.einsum(eq, x, w[...])
 
 
 def _ones(shape, dtype, axes):
@@ -43,11 +62,15 @@ class RMSNorm(nnx.Module):
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: ArchConfig, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ArchConfig, dtype, rngs: nnx.Rngs, quant=None, prefix=""):
         e, q, k, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = _param(rngs, (e, q, d), dtype, ("embed", "q_heads", "head_dim"))
-        self.kv_proj = _param(rngs, (e, 2, k, d), dtype, ("embed", None, "kv_heads", "head_dim"))
-        self.o_proj = _param(rngs, (q, d, e), dtype, ("q_heads", "head_dim", "embed"))
+        hd = ("q_heads", "head_dim")
+        self.q_proj = _linear(rngs, dtype, quant, prefix + "q_proj", (e,), (q, d),
+                              ("embed",), hd)
+        self.kv_proj = _linear(rngs, dtype, quant, prefix + "kv_proj", (e,), (2, k, d),
+                               ("embed",), (None, "kv_heads", "head_dim"))
+        self.o_proj = _linear(rngs, dtype, quant, prefix + "o_proj", (q, d), (e,), hd,
+                              ("embed",))
         if cfg.attention_bias:
             self.q_bias = _param(rngs, (q, d), dtype, ("q_heads", "head_dim"))
             self.kv_bias = _param(rngs, (2, k, d), dtype, (None, "kv_heads", "head_dim"))
@@ -58,8 +81,8 @@ class Attention(nnx.Module):
 
     def __call__(self, x, positions, k_cache, v_cache, md, spec):
         cfg = self.cfg
-        q = jnp.einsum("te,eqd->tqd", x, self.q_proj[...])
-        kv = jnp.einsum("te,eskd->tskd", x, self.kv_proj[...])
+        q = _proj(self.q_proj, x, "te,eqd->tqd")
+        kv = _proj(self.kv_proj, x, "te,eskd->tskd")
         if cfg.attention_bias:
             q = q + self.q_bias[...]
             kv = kv + self.kv_bias[...]
@@ -79,27 +102,29 @@ class Attention(nnx.Module):
             q = apply_rotary(q, positions, inv_freq)
             k = apply_rotary(k, positions, inv_freq)
             out, k_cache, v_cache = paged_attention(q, k, v, k_cache, v_cache, md, spec)
-        return jnp.einsum("tqd,qde->te", out, self.o_proj[...]), k_cache, v_cache
+        return _proj(self.o_proj, out, "tqd,qde->te"), k_cache, v_cache
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: ArchConfig, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ArchConfig, dtype, rngs: nnx.Rngs, quant=None, prefix=""):
         e, f = cfg.hidden_size, cfg.intermediate_size
-        self.gate_up_proj = _param(rngs, (e, 2, f), dtype, ("embed", None, "mlp"))
-        self.down_proj = _param(rngs, (f, e), dtype, ("mlp", "embed"))
+        self.gate_up_proj = _linear(rngs, dtype, quant, prefix + "gate_up_proj", (e,),
+                                    (2, f), ("embed",), (None, "mlp"))
+        self.down_proj = _linear(rngs, dtype, quant, prefix + "down_proj", (f,), (e,),
+                                 ("mlp",), ("embed",))
 
     def __call__(self, x):
-        gu = jnp.einsum("te,esf->tsf", x, self.gate_up_proj[...])
+        gu = _proj(self.gate_up_proj, x, "te,esf->tsf")
         h = jax.nn.silu(gu[:, 0]) * gu[:, 1]
-        return jnp.einsum("tf,fe->te", h, self.down_proj[...])
+        return _proj(self.down_proj, h, "tf,fe->te")
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ArchConfig, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ArchConfig, dtype, rngs: nnx.Rngs, quant=None, prefix=""):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, dtype, rngs)
+        self.self_attn = Attention(cfg, dtype, rngs, quant, prefix + "self_attn.")
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = MLP(cfg, dtype, rngs)
+        self.mlp = MLP(cfg, dtype, rngs, quant, prefix + "mlp.")
 
     def __call__(self, x, positions, k_cache, v_cache, md, spec):
         with jax.named_scope("attn"):
@@ -112,11 +137,14 @@ class DecoderLayer(nnx.Module):
 
 
 class LlamaForCausalLM(nnx.Module):
-    def __init__(self, cfg: ArchConfig, dtype=jnp.float32, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ArchConfig, dtype=jnp.float32, *, rngs: nnx.Rngs,
+                 quant: QuantConfig | None = None):
+        """quant: which projections are quantized, and how (None: all float)."""
         self.cfg = cfg
         self.embed_tokens = _param(rngs, (cfg.vocab_size, cfg.hidden_size), dtype,
                                    ("vocab", "embed"))
-        self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
+        self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs, quant, f"layers.{i}.")
+                                for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), dtype,

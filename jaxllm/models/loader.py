@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
@@ -19,6 +20,8 @@ import numpy as np
 
 from jaxllm.models.errors import CheckpointError
 from jaxllm.models.registry import ArchConfig, arch_from_hf_config
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from flax import nnx
@@ -30,6 +33,7 @@ class LoadedModel:
     graphdef: nnx.GraphDef
     state: nnx.State
     source: str
+    quant: object = None     # the QuantConfig the model was built with, or None
 
 
 # Target parameter (path under the model, {i} = layer) <- HF tensor names and how
@@ -79,12 +83,13 @@ def resolve_dtype(name: str, hf_dtype: str | None = None):
     return {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}[name]
 
 
-def abstract_model(arch: ArchConfig, dtype):
-    """(graphdef, abstract state) without allocating anything."""
+def abstract_model(arch: ArchConfig, dtype, quant=None):
+    """(graphdef, abstract state) without allocating anything; `quant`: a
+    QuantConfig (layers/quantization/schemes.py) or None."""
     from flax import nnx
     from jaxllm.models.llama import LlamaForCausalLM
     cls = LlamaForCausalLM     # the one decoder class: the Llama family
-    model = nnx.eval_shape(lambda: cls(arch, dtype, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: cls(arch, dtype, rngs=nnx.Rngs(0), quant=quant))
     return nnx.split(model)
 
 
@@ -99,18 +104,31 @@ def _template(name: str) -> tuple[str, int | None]:
     return name, None
 
 
-def load_state(arch: ArchConfig, dtype, reader, shardings: Callable, source: str):
+def load_state(arch: ArchConfig, dtype, reader, shardings: Callable, source: str,
+               quant=None):
     """Fill every parameter of the model from `reader.get(hf_name)` (numpy float32);
     `reader.location(hf_name)` names the file holding a tensor, for errors.
 
     `shardings(path, logical_axes, shape)` gives each parameter's jax.sharding.Sharding.
+    `quant`: a QuantConfig; its projections come from models/quant_loader.py, which
+    checks every quantized tensor before anything is moved to the device.
     """
     import jax
     from flax import nnx
-    graphdef, abstract = abstract_model(arch, dtype)
+    graphdef, abstract = abstract_model(arch, dtype, quant)
+    qw = None
+    if quant is not None:
+        from jaxllm.models.quant_loader import QuantWeights
+        qw = QuantWeights(arch, quant, reader, source,
+                          lambda module: _float_array(arch, reader, module))
     leaves = []
     for path, var in nnx.to_flat_state(abstract):
         name = param_path(path)
+        if qw is not None and qw.owns(name):
+            sharding = shardings(path, var.get_metadata().get("out_sharding"),
+                                 var.get_value().shape)
+            leaves.append((path, var.replace(value=jax.device_put(qw.array(name), sharding))))
+            continue
         tmpl, layer = _template(name)
         if tmpl not in WEIGHT_MAP:
             raise CheckpointError(f"{source}: no weight mapping for parameter {name}")
@@ -134,6 +152,13 @@ def load_state(arch: ArchConfig, dtype, reader, shardings: Callable, source: str
     return graphdef, nnx.from_flat_state(leaves)
 
 
+def _float_array(arch: ArchConfig, reader, module: str) -> np.ndarray:
+    """A projection's float weight as WEIGHT_MAP builds it (for online quantization)."""
+    tmpl, layer = _template(module)
+    hf_names, combine = WEIGHT_MAP[tmpl]
+    return combine(arch, *[reader.get(n.format(i=layer)) for n in hf_names])
+
+
 def _first_mismatch(arch, names, tensors, combine):
     """Which of several source tensors has the odd shape (the one unlike its twin, or
     the first)."""
@@ -146,7 +171,7 @@ def _first_mismatch(arch, names, tensors, combine):
     return names[0]
 
 
-def dummy_state(arch: ArchConfig, dtype, shardings: Callable, seed: int = 0):
+def dummy_state(arch: ArchConfig, dtype, shardings: Callable, seed: int = 0, quant=None):
     """Random weights of the model's shape, built on the device(s) already sharded.
 
     Like vLLM's dummy weights: matrices uniform in +-0.035 (std ~0.02), norm weights
@@ -155,7 +180,8 @@ def dummy_state(arch: ArchConfig, dtype, shardings: Callable, seed: int = 0):
     initializer of the model, which takes minutes to compile for an 8B model."""
     import jax
     from flax import nnx
-    graphdef, abstract = abstract_model(arch, dtype)
+    from jaxllm.models.quant_loader import dummy_fill
+    graphdef, abstract = abstract_model(arch, dtype, quant)
     key = jax.random.key(seed)
     flat, treedef = jax.tree_util.tree_flatten_with_path(abstract)
     variables = jax.tree.leaves(abstract, is_leaf=lambda x: isinstance(x, nnx.Variable))
@@ -164,6 +190,7 @@ def dummy_state(arch: ArchConfig, dtype, shardings: Callable, seed: int = 0):
     for i, ((path, sds), var) in enumerate(zip(flat, variables)):
         name = param_path(p.key if hasattr(p, "key") else p for p in path)
         fill = "uniform" if len(sds.shape) > 1 else ("ones" if "norm" in name else "zeros")
+        fill = dummy_fill(name, sds.dtype) or fill     # quantized weights and their scales
         sharding = shardings(None, var.get_metadata().get("out_sharding"), sds.shape)
         spec = (sds.shape, sds.dtype, fill, sharding)
         if spec not in generators:
@@ -181,6 +208,11 @@ def _dummy_array(key, *, shape, dtype, fill):
         return jnp.ones(shape, dtype)
     if fill == "zeros":
         return jnp.zeros(shape, dtype)
+    if isinstance(fill, tuple):    # quant_loader.dummy_fill's
+        kind, value = fill
+        if kind == "const":
+            return jnp.full(shape, value, dtype)
+        return jnp.round(jax.random.uniform(key, shape, jnp.float32, -value, value)).astype(dtype)
     return jax.random.uniform(key, shape, dtype, -0.035, 0.035)
 
 
@@ -195,11 +227,13 @@ def read_hf_config(folder: str) -> dict:
 
 
 _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": "bfloat16", "F64": np.float64,
-              "I64": np.int64, "I32": np.int32, "I8": np.int8, "U8": np.uint8}
+              "I64": np.int64, "I32": np.int32, "I8": np.int8, "U8": np.uint8,
+              "I16": np.int16, "F8_E4M3": "float8_e4m3fn"}
 
 
-def _open_safetensors(path: str) -> dict[str, np.ndarray]:
-    """name -> memory-mapped array. The format is a little-endian u64 header length, a
+def _open_safetensors(path: str, dtypes: dict | None = None) -> dict[str, np.ndarray]:
+    """name -> memory-mapped array (and into `dtypes`, name -> the stored dtype's
+    name). The format is a little-endian u64 header length, a
     JSON header and raw data; parsing it here keeps bf16 readable without torch."""
     import ml_dtypes
     with open(path, "rb") as f:
@@ -213,9 +247,11 @@ def _open_safetensors(path: str) -> dict[str, np.ndarray]:
         dt = _ST_DTYPES.get(info["dtype"])
         if dt is None:
             raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
-        dt = np.dtype(ml_dtypes.bfloat16) if dt == "bfloat16" else np.dtype(dt)
+        dt = np.dtype(getattr(ml_dtypes, dt)) if isinstance(dt, str) else np.dtype(dt)
         lo, hi = info["data_offsets"]
         out[name] = raw[lo:hi].view(dt).reshape(info["shape"])
+        if dtypes is not None:
+            dtypes[name] = info["dtype"]
     return out
 
 
@@ -236,11 +272,12 @@ class SafetensorsReader:
         self.folder = folder
         self.tensors: dict[str, np.ndarray] = {}
         self.files: dict[str, str] = {}
+        self.st_dtypes: dict[str, str] = {}    # name -> safetensors dtype (F8_E4M3, I8...)
         for fname in files:
             path = os.path.join(folder, fname)
             if not os.path.isfile(path):
                 raise CheckpointError(f"{folder}: {fname} is listed in the index but missing")
-            found = _open_safetensors(path)
+            found = _open_safetensors(path, self.st_dtypes)
             self.tensors.update(found)
             self.files.update(dict.fromkeys(found, path))
         if weight_map is not None:
@@ -254,34 +291,65 @@ class SafetensorsReader:
     def location(self, name: str) -> str:
         return self.files.get(name, self.folder)
 
+    def names(self) -> list[str]:
+        return list(self.tensors)
+
+    def dtype(self, name: str) -> str:
+        return self.st_dtypes[name]
+
+    def shape(self, name: str) -> tuple:
+        return self.tensors[name].shape
+
+    def raw(self, name: str) -> np.ndarray:
+        """The tensor as stored (quantized weights keep their dtype)."""
+        return self.tensors[name]
+
     def get(self, name: str) -> np.ndarray:
         if name not in self.tensors:
             raise CheckpointError(f"{self.folder}: missing tensor {name}")
         return np.asarray(self.tensors[name], dtype=np.float32)
 
 
-def load_hf_folder(folder: str, dtype_name: str, shardings: Callable) -> LoadedModel:
+def load_hf_folder(folder: str, dtype_name: str, shardings: Callable,
+                   quantization: str | None = None) -> LoadedModel:
+    from jaxllm.models.quant_config import resolve_quantization
+    from jaxllm.models.quant_loader import check_float_tensors
     hf = read_hf_config(folder)
     arch = arch_from_hf_config(hf, os.path.join(folder, "config.json"))
+    quant = resolve_quantization(hf, quantization, arch.num_layers,
+                                 os.path.join(folder, "config.json"))
     dtype = resolve_dtype(dtype_name, hf.get("torch_dtype") or hf.get("dtype"))
     reader = SafetensorsReader(folder)
     if arch.tie_word_embeddings is False and not reader.has("lm_head.weight"):
         raise CheckpointError(f"{folder}: missing tensor lm_head.weight "
                               "(config says tie_word_embeddings=false)")
-    graphdef, state = load_state(arch, dtype, reader, shardings, folder)
-    return LoadedModel(arch, graphdef, state, folder)
+    check_float_tensors(reader, quant, folder)
+    graphdef, state = load_state(arch, dtype, reader, shardings, folder, quant)
+    return LoadedModel(arch, graphdef, state, folder, quant)
 
 
 # ---------------------------------------------------------------- entry point
 
 def load_model(path: str | None, dtype_name: str = "auto", load_format: str = "auto",
-               shardings: Callable | None = None, seed: int = 0) -> LoadedModel:
+               shardings: Callable | None = None, seed: int = 0,
+               quantization: str | None = None) -> LoadedModel:
     """Load an HF folder or GGUF file (None = the embedded default) into sharded params.
 
     `shardings(path, logical_axes, shape)` -> jax Sharding; default: the first device.
+    `quantization`: --quantization (None: the checkpoint's quantization_config, if any).
     """
+    loaded = _load_model(path, dtype_name, load_format, shardings, seed, quantization)
+    import jax
+    gib = sum(x.nbytes for x in jax.tree.leaves(loaded.state)) / (1 << 30)
+    logger.info("weights: %.3f GiB (%s)", gib, "not quantized" if loaded.quant is None
+                else f"quantization {loaded.quant.describe()}")
+    return loaded
+
+
+def _load_model(path, dtype_name, load_format, shardings, seed, quantization):
     import jax
     from jaxllm.models.gguf_loader import default_model_path, open_gguf
+    from jaxllm.models.quant_config import resolve_quantization
     if shardings is None:
         dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         shardings = lambda p, axes, shape=None: dev  # noqa: E731
@@ -298,13 +366,17 @@ def load_model(path: str | None, dtype_name: str = "auto", load_format: str = "a
         arch = arch_from_hf_config(hf, path)
         # GGUF weights are quantized: dequantize to float32 unless a dtype is asked.
         dtype = resolve_dtype(dtype_name, "float32")
+        quant = resolve_quantization(None, quantization, arch.num_layers, path)
         if load_format == "dummy":
-            return LoadedModel(arch, *dummy_state(arch, dtype, shardings, seed), path)
-        graphdef, state = load_state(arch, dtype, gg, shardings, path)
-        return LoadedModel(arch, graphdef, state, path)
+            return LoadedModel(arch, *dummy_state(arch, dtype, shardings, seed, quant),
+                               path, quant)
+        graphdef, state = load_state(arch, dtype, gg, shardings, path, quant)
+        return LoadedModel(arch, graphdef, state, path, quant)
     if load_format == "dummy":
         hf = read_hf_config(path)
         arch = arch_from_hf_config(hf, os.path.join(path, "config.json"))
+        quant = resolve_quantization(hf, quantization, arch.num_layers,
+                                     os.path.join(path, "config.json"))
         dtype = resolve_dtype(dtype_name, hf.get("torch_dtype") or hf.get("dtype"))
-        return LoadedModel(arch, *dummy_state(arch, dtype, shardings, seed), path)
-    return load_hf_folder(path, dtype_name, shardings)
+        return LoadedModel(arch, *dummy_state(arch, dtype, shardings, seed, quant), path, quant)
+    return load_hf_folder(path, dtype_name, shardings, quantization)

@@ -1,0 +1,1 @@
+"""Quantized linear layers: schemes (no jax) and the layer (linear.py)."""

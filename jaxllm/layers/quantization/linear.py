@@ -1,0 +1,126 @@
+"""The quantized linear layer: fp8 / int8 weights stored [N..., K...], the input
+quantized in the layer, the matmul in fp8 / int8 with f32 accumulation and the
+scales applied to its output.
+
+On a GPU the matmul is one dot of the quantized operands (XLA hands an fp8 or int8
+dot contracting K on both sides to cuBLASLt). On the CPU backend, which has no fp8
+dots, the same quantized values are widened to f32 first: exact with respect to
+the quantized values, so CPU tests check the numbers the GPU path computes.
+
+Letter legend: T tokens, N... output dims, K... contracted dims, G K-groups.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxllm.layers.quantization.schemes import FP8_MAX, INT8_MAX, ActScheme, LinearScheme
+
+STORAGE = {"fp8": jnp.float8_e4m3fn, "int8": jnp.int8}
+# A floor under dynamic scales: an all-zero token row quantizes to zeros, not NaN.
+_MIN_SCALE = 1e-12
+
+
+def native_dot() -> bool:
+    """The quantized dot itself (GPU) or its f32 widening (CPU, no fp8 dots)."""
+    return jax.default_backend() != "cpu"
+
+
+def quantize(x, dtype: str, scale):
+    """x / scale rounded into `dtype` (fp8: saturating cast; int8: round half to even,
+    clamped to [-128, 127])."""
+    y = x.astype(jnp.float32) / scale
+    if dtype == "fp8":
+        return jnp.clip(y, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
+    return jnp.clip(jnp.round(y), -INT8_MAX - 1, INT8_MAX).astype(jnp.int8)
+
+
+def _qmax(dtype: str) -> float:
+    return FP8_MAX if dtype == "fp8" else INT8_MAX
+
+
+def quantize_per_token(x, nk: int, act: ActScheme, input_scale=None):
+    """x [T, K...] -> (quantized x, f32 scale [T] or a scalar)."""
+    if not act.dynamic:
+        return quantize(x, act.dtype, input_scale), input_scale
+    axes = tuple(range(x.ndim - nk, x.ndim))
+    amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=axes)
+    scale = jnp.maximum(amax / _qmax(act.dtype), _MIN_SCALE)
+    return quantize(x, act.dtype, scale.reshape(scale.shape + (1,) * nk)), scale
+
+
+def quantized_matmul(xq, x_scale, wq, w_scale, nk: int, native: bool):
+    """xq [T, K...] times wq [N..., K...] contracting the K dims, then times
+    x_scale ([T] or scalar) and w_scale [N...]. f32 [T, N...]."""
+    dims = ((tuple(range(xq.ndim - nk, xq.ndim)), tuple(range(wq.ndim - nk, wq.ndim))),
+            ((), ()))
+    if native:
+        acc = jnp.int32 if xq.dtype == jnp.int8 else jnp.float32
+        y = jax.lax.dot_general(xq, wq, dims, preferred_element_type=acc).astype(jnp.float32)
+    else:
+        y = jax.lax.dot_general(xq.astype(jnp.float32), wq.astype(jnp.float32), dims,
+                                preferred_element_type=jnp.float32)
+    x_scale = jnp.asarray(x_scale, jnp.float32)
+    if x_scale.ndim:
+        x_scale = x_scale.reshape(x_scale.shape + (1,) * (y.ndim - 1))
+    return y * x_scale * w_scale
+
+
+def block_matmul(x, wq, w_scale, scheme: LinearScheme, nk: int):
+    """Block-scaled weights ([N..., K] with scales [N..., K/bk]): XLA has no
+    block-scaled fp8 GEMM on Hopper, so the weight is dequantized in the layer (it is
+    still stored in fp8) and the input quantized per token and K-group of bk, as the
+    checkpoint's producer computes it; the matmul runs in x's dtype."""
+    t = x.shape[0]
+    xf = x.reshape(t, -1)
+    k = xf.shape[1]
+    bk = scheme.block[1]
+    if scheme.act is not None:
+        g = xf.astype(jnp.float32).reshape(t, k // bk, bk)
+        s = jnp.maximum(jnp.max(jnp.abs(g), axis=-1, keepdims=True) / _qmax(scheme.act.dtype),
+                        _MIN_SCALE)
+        xf = (quantize(g, scheme.act.dtype, s).astype(jnp.float32) * s).reshape(t, k)
+    out = wq.shape[:wq.ndim - nk]
+    w = wq.reshape(*out, k // bk, bk).astype(jnp.float32) * w_scale[..., None]
+    w = w.reshape(*out, k).astype(x.dtype)
+    return jnp.einsum("tk,...k->t...", xf.astype(x.dtype), w,
+                      preferred_element_type=jnp.float32)
+
+
+class QuantLinear(nnx.Module):
+    """y[T, N...] = x[T, K...] @ W, W stored quantized as weight [N..., K...]."""
+
+    def __init__(self, scheme: LinearScheme, out_shape: tuple, in_shape: tuple,
+                 out_axes: tuple, in_axes: tuple):
+        self.scheme = scheme
+        self.nk = len(in_shape)
+        self.weight = nnx.Param(jnp.zeros(out_shape + in_shape, STORAGE[scheme.weight]),
+                                out_sharding=out_axes + in_axes)
+        if scheme.block is None:
+            self.weight_scale = nnx.Param(jnp.ones(out_shape, jnp.float32),
+                                          out_sharding=out_axes)
+        else:
+            groups = math.prod(in_shape) // scheme.block[1]
+            self.weight_scale = nnx.Param(jnp.ones(out_shape + (groups,), jnp.float32),
+                                          out_sharding=out_axes + in_axes[:1])
+        if scheme.act is not None and not scheme.act.dynamic:
+            self.input_scale = nnx.Param(jnp.ones((), jnp.float32), out_sharding=())
+
+    def __call__(self, x):
+        s = self.scheme
+        w, ws = self.weight[...], self.weight_scale[...]
+        if s.block is not None:
+            y = block_matmul(x, w, ws, s, self.nk)
+        elif s.act is None:      # weight only: dequantize, matmul in x's dtype
+            dims = ((tuple(range(1, x.ndim)), tuple(range(w.ndim - self.nk, w.ndim))),
+                    ((), ()))
+            y = jax.lax.dot_general(x, w.astype(x.dtype), dims,
+                                    preferred_element_type=jnp.float32) * ws
+        else:
+            xq, xs = quantize_per_token(x, self.nk, s.act,
+                                        self.input_scale[...] if not s.act.dynamic else None)
+            y = quantized_matmul(xq, xs, w, ws, self.nk, native_dot())
+        return y.astype(x.dtype)

@@ -1,0 +1,87 @@
+"""What a quantized linear layer holds and computes, as static (hashable) settings;
+no jax here, so the launcher can check a checkpoint without starting a backend.
+
+A LinearScheme says how one jaxllm projection (q_proj, kv_proj, o_proj, gate_up_proj,
+down_proj) stores its weight and quantizes its input. A QuantConfig maps every
+projection of the model to its scheme (None = left in the float dtype).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Largest finite float8_e4m3fn value, and the int8 range used symmetrically (vLLM's
+# scaled_int8_quant divides by 127 and clamps to [-128, 127]).
+FP8_MAX = 448.0
+INT8_MAX = 127.0
+
+WEIGHT_DTYPES = ("fp8", "int8")
+
+# Online quantization (--quantization on a float checkpoint) and the methods a
+# checkpoint's quantization_config may name.
+ONLINE_METHODS = ("fp8", "int8")
+CHECKPOINT_METHODS = ("compressed-tensors", "fp8")
+
+
+@dataclass(frozen=True)
+class ActScheme:
+    """How a layer's input is quantized before the matmul."""
+    dtype: str                  # fp8 | int8
+    dynamic: bool = True        # per token (or token group) in the layer; else a stored scale
+    group_size: int | None = None   # dynamic scales per token and K group (block FP8)
+
+
+@dataclass(frozen=True)
+class LinearScheme:
+    """weight: fp8 | int8, stored [N..., K...] (contracting K on both sides is what
+    reaches cuBLASLt's fp8/int8 GEMMs). Scales: one per output channel (a checkpoint's
+    per-tensor scale is broadcast to its channels, which is exact), or per
+    block (bn, bk) of the 2-D [N, K] weight, stored repeated per row: [N..., K/bk].
+    act: None = weight only (the weight is dequantized for a float matmul)."""
+    weight: str
+    block: tuple[int, int] | None = None
+    act: ActScheme | None = None
+
+    def __post_init__(self):
+        if self.weight not in WEIGHT_DTYPES:
+            raise ValueError(f"weight dtype {self.weight!r}")
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """method: the --quantization name; online: quantize float weights at load.
+    schemes: (jaxllm module path, scheme) for every quantized projection, e.g.
+    ("layers.0.self_attn.q_proj", LinearScheme("fp8", ...))."""
+    method: str
+    online: bool
+    schemes: tuple[tuple[str, LinearScheme], ...]
+
+    def scheme(self, path: str) -> LinearScheme | None:
+        return dict(self.schemes).get(path)
+
+    def describe(self) -> str:
+        kinds = sorted({repr(s) for _, s in self.schemes})
+        how = "quantized at load" if self.online else "from the checkpoint"
+        return f"{self.method} ({how}; {len(self.schemes)} linear layers: {', '.join(kinds)})"
+
+
+# jaxllm projection -> (HF module names it is made of, relative to model.layers.{i}).
+PROJECTIONS: dict[str, tuple[str, ...]] = {
+    "self_attn.q_proj": ("self_attn.q_proj",),
+    "self_attn.kv_proj": ("self_attn.k_proj", "self_attn.v_proj"),
+    "self_attn.o_proj": ("self_attn.o_proj",),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp.down_proj": ("mlp.down_proj",),
+}
+
+
+def uniform_config(method: str, num_layers: int, scheme: LinearScheme,
+                   online: bool) -> QuantConfig:
+    """Every projection of every layer in one scheme."""
+    return QuantConfig(method, online, tuple(
+        (f"layers.{i}.{p}", scheme) for i in range(num_layers) for p in PROJECTIONS))
+
+
+def online_scheme(method: str) -> LinearScheme:
+    """vLLM's online FP8 (and its int8 twin): per-channel weights quantized at load,
+    per-token activation scales computed in the layer."""
+    return LinearScheme(method, None, ActScheme(method, dynamic=True))
