@@ -17,6 +17,7 @@ import time
 
 from jaxllm.compilation_cache import DEFAULT_DIR
 from jaxllm.config import FLAT_KEYS, SECTIONS, ConfigError, EngineConfig, flat_from_config
+from jaxllm.pooling.embed_cli import add_embed_parser, pooling_launch
 
 # One line of --help per engine key; the default is appended from the dataclass.
 ENGINE_HELP = {
@@ -33,8 +34,7 @@ ENGINE_HELP = {
                     "checkpoint's quantization_config (compressed-tensors, fp8)",
     "served_model_name": "name(s) the server answers to; default: the model path",
     "chat_template": "Jinja file overriding the tokenizer's chat template",
-    "runner": "generate, or pooling (embeddings: LLM.embed, /v1/embeddings, jaxllm embed); "
-              "auto: pooling for BERT-family encoders and bare *Model decoders",
+    "runner": "generate | pooling (embeddings); auto: pooling for encoders and bare decoders",
     "block_size": "tokens per KV-cache block: 8, 16 or 32",
     "gpu_memory_utilization": "fraction of GPU memory for weights, activations and KV cache",
     "kv_cache_dtype": "auto (the model dtype) or fp8 (e4m3: twice the KV blocks)",
@@ -150,7 +150,6 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server", allow_abbrev=False)
     add_engine_args(p, server=True)
     p.set_defaults(func=cmd_serve)
-    from jaxllm.pooling.embed_cli import add_embed_parser
     add_embed_parser(sub, add_engine_args)
 
     p = sub.add_parser("generate", help="complete prompts, JSON lines out", allow_abbrev=False)
@@ -229,10 +228,9 @@ def launch_config(args, engine_process: bool = False):
                               f"{flags['model']!r}); keep one")
         flags["model"] = args.model_path
     config = config_file.build_config(args.config, flags, LAUNCH_DEFAULTS)
-    from jaxllm.pooling.model_info import resolve_runner
-    if resolve_runner(config.model) == "pooling":   # (config, PoolingModelInfo)
-        from jaxllm.pooling.embed_cli import check_pooling_launch
-        return config, check_pooling_launch(config, args.command)
+    pooling = pooling_launch(config, args.command)     # a PoolingModelInfo, or None
+    if pooling is not None:
+        return config, pooling
     if engine_process and config.parallel.process_id == 0 \
             and not config.server.disable_frontend_multiprocessing:
         return config, config_file.check_model(config)

@@ -7,6 +7,7 @@ behind the model. Each chunk is length-sorted by the runner.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 
 from jaxllm.pooling.outputs import EmbeddingOutput, EmbeddingRequestOutput
@@ -36,31 +37,44 @@ def embed(llm, prompts, pooling_params: PoolingParams | None = None,
     params = pooling_params or PoolingParams()
     if truncate_prompt_tokens is not None:
         params = dataclasses.replace(params, truncate_prompt_tokens=truncate_prompt_tokens)
-    engine.check_params(params)
-    bar = None
-    if use_tqdm:
-        from tqdm import tqdm
-        bar = tqdm(total=len(prompts), desc="Embedded prompts", dynamic_ncols=True)
-    chunks = [prompts[i:i + CHUNK] for i in range(0, len(prompts), CHUNK)]
-    results: list[EmbeddingRequestOutput] = []
     dims = params.dimensions or engine.info.hidden_size
-    try:
-        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxllm-tok") as pool:
-            ahead = pool.submit(engine.tokenize, chunks[0], params) if chunks else None
-            for k, chunk in enumerate(chunks):
-                ids = ahead.result()
-                if k + 1 < len(chunks):
-                    ahead = pool.submit(engine.tokenize, chunks[k + 1], params)
-                vectors = engine.embed_ids(ids, params, bar.update if bar else None)
-                for i, p in enumerate(chunk):
-                    rid = str(next(llm._counter))
-                    results.append(EmbeddingRequestOutput(
-                        rid, EmbeddingOutput(vectors[i, :dims]), ids[i], True,
-                        p if isinstance(p, str) else None))
-    finally:
-        if bar is not None:
-            bar.close()
+    results: list[EmbeddingRequestOutput] = []
+    with _progress(use_tqdm, len(prompts), "Embedded prompts") as bar:
+        for start, ids, vectors in embed_chunks(engine, prompts, params, bar):
+            for i, tokens in enumerate(ids):
+                p = prompts[start + i]
+                results.append(EmbeddingRequestOutput(
+                    str(next(llm._counter)), EmbeddingOutput(vectors[i, :dims]), tokens, True,
+                    p if isinstance(p, str) else None))
     return results
+
+
+def embed_chunks(engine, prompts: list, params: PoolingParams, bar=None, chunk: int = CHUNK):
+    """Yield (start, token ids, float32 vectors [n, E]) per chunk of `prompts`,
+    tokenizing the next chunk on a thread while this one runs."""
+    engine.check_params(params)
+    chunks = [prompts[i:i + chunk] for i in range(0, len(prompts), chunk)]
+    on_step = bar.update if bar is not None else None
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxllm-tok") as pool:
+        ahead = pool.submit(engine.tokenize, chunks[0], params) if chunks else None
+        for k in range(len(chunks)):
+            ids = ahead.result()
+            if k + 1 < len(chunks):
+                ahead = pool.submit(engine.tokenize, chunks[k + 1], params)
+            yield k * chunk, ids, engine.embed_ids(ids, params, on_step)
+
+
+@contextlib.contextmanager
+def _progress(enabled: bool, total: int, desc: str, initial: int = 0):
+    if not enabled:
+        yield None
+        return
+    from tqdm import tqdm
+    bar = tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True)
+    try:
+        yield bar
+    finally:
+        bar.close()
 
 
 def check_generate(llm) -> None:

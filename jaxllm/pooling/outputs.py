@@ -8,8 +8,10 @@ and tens of GB, and most batch users read ``data`` or stack the rows anyway.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
 
 
 @dataclass

@@ -105,6 +105,11 @@ def build_app(engine: AsyncLLM, config: EngineConfig, *,
     async def version(request: Request) -> Response:
         return JSONResponse({"version": jaxllm.__version__})
 
+    async def embeddings(request: Request) -> Response:
+        raise bad_request("The model does not support Embeddings API: it is served with "
+                          "--runner generate; serve an embedding model with --runner pooling "
+                          "for /v1/embeddings.", param="model", code="model_not_embedding")
+
     @contextlib.asynccontextmanager
     async def lifespan(app):
         tasks = [asyncio.create_task(StatLogger(engine.metrics, log_stats_interval).run())]
@@ -119,6 +124,7 @@ def build_app(engine: AsyncLLM, config: EngineConfig, *,
     routes = [
         json_route("/v1/chat/completions", ChatCompletionRequest, chat.create),
         json_route("/v1/completions", CompletionRequest, completion.create),
+        Route("/v1/embeddings", embeddings, methods=["POST"]),
         Route("/v1/models", list_models),
         json_route("/tokenize", TokenizeRequest, tokenize),
         json_route("/detokenize", DetokenizeRequest, detokenize),
