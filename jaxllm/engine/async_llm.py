@@ -14,6 +14,13 @@ on it.
 Outputs are cumulative (the whole text so far), so a consumer that fell behind skips
 to the newest one. If the engine dies (a step raised, its process is gone), every
 request gets ``EngineDeadError`` and ``is_dead`` turns true (the server answers 503).
+
+Overload (``max_waiting_requests``, --max-waiting-requests): a request that finds that
+many requests waiting is refused at once with ``EngineOverloadedError`` (the server's
+429), before anything reaches the engine. "Waiting" is counted here, not read from the
+engine's stats: requests added and not yet given their first output (queued in the
+engine, or in their prefill), counted under the same lock as the add, so a burst
+arriving between two engine steps cannot slip past the bound.
 """
 from __future__ import annotations
 
@@ -28,7 +35,11 @@ from jaxllm.engine.core_client import (EngineCoreClient, EngineDeadError, Inproc
                                        MPClient, SpawnedEngine)
 from jaxllm.metrics import EngineMetrics
 
-__all__ = ["AsyncLLM", "EngineDeadError"]
+__all__ = ["AsyncLLM", "EngineDeadError", "EngineOverloadedError"]
+
+
+class EngineOverloadedError(RuntimeError):
+    """--max-waiting-requests requests wait already: this one was not added."""
 
 _ACCEPTED = object()   # first item of a request's queue: the engine took the request
 
@@ -38,7 +49,8 @@ class AsyncLLM:
     ``shutdown``, ``metrics``, and ``engine`` (the EngineInfo: tokenizer, model name,
     max model length, EOS id). ``engine_core`` is the client."""
 
-    def __init__(self, engine_core: EngineCoreClient, metrics: EngineMetrics | None = None):
+    def __init__(self, engine_core: EngineCoreClient, metrics: EngineMetrics | None = None,
+                 max_waiting_requests: int | None = None):
         self.engine_core = engine_core
         self.engine = engine_core.info
         self.metrics = metrics or EngineMetrics(self.engine.model_name,
@@ -48,6 +60,8 @@ class AsyncLLM:
         self._lock = threading.Lock()
         self._queues: dict[str, _OutputQueue] = {}   # requests in the engine, by id
         self._stopped = False
+        self.max_waiting_requests = max_waiting_requests   # None: unbounded
+        self.num_waiting_requests = 0   # queues whose request has no output yet
         engine_core.start(self)
 
     @classmethod
@@ -61,14 +75,16 @@ class AsyncLLM:
         there: it must pickle)."""
         if multiprocess is None:
             multiprocess = not config.server.disable_frontend_multiprocessing
+        bound = config.server.max_waiting_requests
         if multiprocess:
-            return cls(MPClient(config, setup=setup, spawned=spawned), metrics)
-        return cls(InprocClient.from_config(config, setup=setup), metrics)
+            return cls(MPClient(config, setup=setup, spawned=spawned), metrics, bound)
+        return cls(InprocClient.from_config(config, setup=setup), metrics, bound)
 
     @classmethod
-    def from_engine(cls, engine, metrics: EngineMetrics | None = None) -> "AsyncLLM":
+    def from_engine(cls, engine, metrics: EngineMetrics | None = None,
+                    max_waiting_requests: int | None = None) -> "AsyncLLM":
         """Over an LLMEngine already built (or anything with its API), on a thread."""
-        return cls(InprocClient(engine), metrics)
+        return cls(InprocClient(engine), metrics, max_waiting_requests)
 
     @property
     def is_dead(self) -> bool:
@@ -96,6 +112,7 @@ class AsyncLLM:
                     raise EngineDeadError(f"the engine is not running: {self.dead_error!r}")
                 if request_id in self._queues:
                     raise ValueError(f"request id {request_id!r} is already in use")
+                self._admit(queue)
                 self._queues[request_id] = queue
                 self.engine_core.add_request(request_id, prompt, params, time.time(), priority)
             await queue.get()   # _ACCEPTED, or the engine's error raised
@@ -107,6 +124,22 @@ class AsyncLLM:
             if not finished:
                 self._abort(request_id, queue)
 
+    def _admit(self, queue: _OutputQueue) -> None:
+        """Count the request as waiting, or refuse it (under the lock)."""
+        bound = self.max_waiting_requests
+        if bound is not None and self.num_waiting_requests >= bound:
+            raise EngineOverloadedError(
+                f"The server is overloaded: {self.num_waiting_requests} requests are waiting "
+                f"(--max-waiting-requests {bound}); retry later.")
+        queue.waiting = True
+        self.num_waiting_requests += 1
+
+    def _started(self, queue: _OutputQueue) -> None:
+        """The request waits no more: it has output, failed or left (under the lock)."""
+        if queue.waiting:
+            queue.waiting = False
+            self.num_waiting_requests -= 1
+
     def abort(self, request_id: str) -> None:
         self._abort(request_id, None)
 
@@ -116,6 +149,7 @@ class AsyncLLM:
             if mine is None or (queue is not None and mine is not queue):
                 return   # finished, failed, aborted already, or another request's id
             del self._queues[request_id]
+            self._started(mine)
             self.metrics.record_abort(request_id)
             self.engine_core.abort_request(request_id)
 
@@ -137,6 +171,7 @@ class AsyncLLM:
                 if error is not None:
                     if queue is not None:
                         del self._queues[request_id]
+                        self._started(queue)
                         posts.append((queue, error))
                     continue
                 self.metrics.record_arrival(request_id, arrival_time, n,
@@ -157,6 +192,7 @@ class AsyncLLM:
                 queue = self._queues.get(output.request_id)
                 if queue is None:   # aborted meanwhile
                     continue
+                self._started(queue)
                 self.metrics.record_output(output, now)
                 if output.finished:
                     del self._queues[output.request_id]
@@ -177,6 +213,7 @@ class AsyncLLM:
                 self.dead_error = error
             queues = list(self._queues.values())
             self._queues = {}
+            self.num_waiting_requests = 0
         _post([(queue, failure) for queue in queues])
 
 
@@ -187,6 +224,7 @@ class _OutputQueue:
     def __init__(self, loop: asyncio.AbstractEventLoop, max_tokens: int | None = None):
         self.loop = loop
         self.max_tokens = max_tokens
+        self.waiting = False   # counted in AsyncLLM.num_waiting_requests
         self.queue: asyncio.Queue = asyncio.Queue()
 
     async def get(self) -> Any:

@@ -1,5 +1,6 @@
-"""Issue 22's launch flags: --scheduling-policy (and its config-file key); a bad
-value is one line naming the setting, exit code 2, before the model loads."""
+"""Issue 22's launch flags: --scheduling-policy, --max-waiting-requests (and their
+config-file keys); a bad value is one line naming the setting, exit code 2, before the
+model loads."""
 import pytest
 
 from jaxllm.config_file import build_config
@@ -19,6 +20,10 @@ def run_cli(capsys, *argv):
 @pytest.mark.parametrize("argv, words", [
     (["serve", "--scheduling-policy", "lifo"], ["scheduling_policy='lifo'",
                                                 "choose one of fcfs, priority"]),
+    (["serve", "--max-waiting-requests", "0"], ["max_waiting_requests=0", "must be >= 1"]),
+    (["serve", "--max-waiting-requests", "many"], ["max_waiting_requests='many'",
+                                                   "--max-waiting-requests",
+                                                   "give a whole number"]),
 ])
 def test_bad_value_is_one_line_naming_the_setting(capsys, argv, words):
     code, line = run_cli(capsys, *argv)
@@ -37,3 +42,14 @@ def test_scheduling_policy_from_flag_and_config_file(tmp_path):
         .scheduling_policy == "fcfs"
     serve = build_parser()._subparsers._group_actions[0].choices["serve"]
     assert "--scheduling-policy" in serve.format_help()
+
+
+def test_max_waiting_requests_from_flag_and_config_file(tmp_path):
+    assert build_config().server.max_waiting_requests is None
+    path = tmp_path / "c.yaml"
+    path.write_text("server:\n  max_waiting_requests: 64\n")
+    assert build_config(str(path)).server.max_waiting_requests == 64
+    assert build_config(str(path), {"max_waiting_requests": "8"}).server \
+        .max_waiting_requests == 8
+    generate = build_parser()._subparsers._group_actions[0].choices["generate"]
+    assert "--max-waiting-requests" not in generate.format_help()   # a server setting

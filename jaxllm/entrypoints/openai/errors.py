@@ -14,21 +14,24 @@ from jaxllm.engine.async_llm import EngineDeadError
 # HTTP status -> OpenAI's error type.
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
           404: "invalid_request_error", 405: "invalid_request_error",
-          500: "server_error", 503: "service_unavailable"}
+          429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
+# Seconds an overloaded server asks a client to wait (the openai SDK honours it).
+RETRY_AFTER_S = 1
 
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None):
+                 code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": _TYPES.get(self.status, "error"),
                           "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -38,6 +41,12 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 def engine_dead() -> APIError:
     return APIError(503, "The engine is not running; the server cannot serve requests.",
                     code="engine_dead")
+
+
+def overloaded(message: str) -> APIError:
+    """--max-waiting-requests reached: the request was not queued; try again later."""
+    return APIError(429, message, code="too_many_waiting_requests",
+                    headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 async def handle_api_error(request: Request, exc: APIError) -> JSONResponse:

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 from starlette.responses import Response
 
-from jaxllm.engine.async_llm import AsyncLLM, EngineDeadError
-from jaxllm.entrypoints.openai.errors import APIError, bad_request, engine_dead
+from jaxllm.engine.async_llm import AsyncLLM, EngineDeadError, EngineOverloadedError
+from jaxllm.entrypoints.openai.errors import APIError, bad_request, engine_dead, overloaded
 from jaxllm.entrypoints.openai.serving_models import OpenAIServingModels
 
 logger = logging.getLogger(__name__)
@@ -45,7 +45,8 @@ class OpenAIServing:
         """Add one request per prompt; return once each has its first output.
 
         Errors the engine raises on add become 400 (too long, bad token ids) or 503,
-        before any response is sent. Whatever was added is aborted on failure.
+        a full waiting queue a 429, before any response is sent. Whatever was added
+        is aborted on failure.
         """
         if self.engine.is_dead:
             raise engine_dead()
@@ -61,6 +62,9 @@ class OpenAIServing:
             await Generation([], gens).close()
             if isinstance(e, EngineDeadError):
                 raise engine_dead() from e
+            if isinstance(e, EngineOverloadedError):
+                self.engine.metrics.record_rejected("max_waiting_requests")   # per API request
+                raise overloaded(str(e)) from e
             if isinstance(e, ValueError):
                 code = "context_length_exceeded" if "maximum context length" in str(e) else None
                 # Checks that need the model (its vocabulary) name their field first.
