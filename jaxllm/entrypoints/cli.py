@@ -65,8 +65,6 @@ ENGINE_HELP = {
     "reasoning_parser": "split the model's thinking into 'reasoning': qwen3, deepseek_r1",
     "max_waiting_requests": "answer 429 (with Retry-After) at once while this many requests "
                             "wait for their first token; default: no bound",
-    "max_waiting_requests": "answer 429 (with Retry-After) at once while this many requests "
-                            "wait for their first token; default: no bound",
     "attention_backend": "auto (pallas on GPU, reference on CPU) | pallas | reference",
     "compilation_cache_dir": "persistent XLA compilation cache folder; none turns it off",
     "enforce_eager": "skip compiling every bucket at warm-up (quicker start, slower first steps)",
