@@ -102,7 +102,7 @@ def _hf_model(kind: str):
         model = tf.BertModel(tf.BertConfig(**common, max_position_embeddings=128))
     elif kind == "xlmr":
         model = tf.XLMRobertaModel(tf.XLMRobertaConfig(
-            **common, max_position_embeddings=130, type_vocab_size=1, pad_token_id=1,
+            **common, max_position_embeddings=258, type_vocab_size=1, pad_token_id=1,
             bos_token_id=0, eos_token_id=2))
     else:
         cfg = tf.Qwen3Config(**common, num_key_value_heads=2, head_dim=32,
