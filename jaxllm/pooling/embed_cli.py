@@ -88,7 +88,7 @@ def cmd_embed(args) -> int:
     try:
         with _progress(not args.disable_tqdm, len(prompts), "Embedded lines", done) as bar:
             for start, _, vectors in embed_chunks(engine, prompts[done:], params, bar,
-                                                  args.chunk_size):
+                                                  args.chunk_size, "line", done + 1):
                 writer.write(done + start, vectors[:, :dims])
     except InputError as e:
         raise ConfigError(f"{args.input}: {e}") from None

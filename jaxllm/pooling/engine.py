@@ -90,9 +90,10 @@ class PoolingEngine:
                              f"is greater than max_model_len ({self.max_model_len}). Please, "
                              "select a smaller truncation size.")
 
-    def tokenize(self, prompts: Sequence, params: PoolingParams,
-                 field: str = "input") -> list[list[int]]:
-        """Token ids per prompt, truncated as `params` asks and checked."""
+    def tokenize(self, prompts: Sequence, params: PoolingParams, field: str = "input",
+                 first: int = 0) -> list[list[int]]:
+        """Token ids per prompt, truncated as `params` asks and checked. Errors name
+        ``field[first + i]`` (just ``field`` for one prompt at 0)."""
         texts = [(i, p) for i, p in enumerate(prompts) if isinstance(p, str)]
         ids: list = [None] * len(prompts)
         if texts:
@@ -101,23 +102,26 @@ class PoolingEngine:
                                      return_token_type_ids=False, verbose=False)["input_ids"]
             for (i, _), e in zip(texts, encoded):
                 ids[i] = e
+
+        def where(i: int) -> str:
+            return f"{field}[{first + i}]" if len(prompts) > 1 or first else field
         for i, p in enumerate(prompts):
             if ids[i] is None:
-                ids[i] = self._given_ids(p, f"{field}[{i}]" if len(prompts) > 1 else field)
+                ids[i] = self._given_ids(p, where(i))
         limit = params.truncate_prompt_tokens
         if limit == -1:
             limit = self.max_model_len
         for i, t in enumerate(ids):
-            where = f"{field}[{i}]" if len(prompts) > 1 else field
+            where_i = where(i)
             if limit is not None and len(t) > limit:
                 ids[i] = t = t[-limit:]       # the last tokens, as vLLM truncates
             if not t:
-                raise InputError(where, f"{where} is empty (no tokens to embed)")
+                raise InputError(where_i, f"{where_i} is empty (no tokens to embed)")
             if len(t) > self.max_model_len:
-                raise InputError(where, f"This model's maximum context length is "
+                raise InputError(where_i, f"This model's maximum context length is "
                                  f"{self.max_model_len} tokens. However, you requested "
                                  f"{len(t)} tokens in the input for embedding generation "
-                                 f"({where}). Please reduce the length of the input, or set "
+                                 f"({where_i}). Please reduce the length of the input, or set "
                                  "truncate_prompt_tokens.")
         return ids
 

@@ -141,7 +141,7 @@ def _pooling_mode(cfg: dict, source: str) -> str:
         mode = modes[0] if len(modes) == 1 else modes
     if isinstance(mode, list) and len(mode) == 1:
         mode = mode[0]
-    if mode not in _ST_MODES:
+    if not isinstance(mode, str) or mode not in _ST_MODES:
         raise ConfigError(f"model: {source}: pooling mode {mode!r} is not supported; the "
                           "pooling runner does cls, mean and lasttoken")
     return _ST_MODES[mode]

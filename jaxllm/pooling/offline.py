@@ -49,18 +49,23 @@ def embed(llm, prompts, pooling_params: PoolingParams | None = None,
     return results
 
 
-def embed_chunks(engine, prompts: list, params: PoolingParams, bar=None, chunk: int = CHUNK):
+def embed_chunks(engine, prompts: list, params: PoolingParams, bar=None, chunk: int = CHUNK,
+                 field: str = "input", first: int = 0):
     """Yield (start, token ids, float32 vectors [n, E]) per chunk of `prompts`,
-    tokenizing the next chunk on a thread while this one runs."""
+    tokenizing the next chunk on a thread while this one runs. Errors name
+    ``field[first + index]``."""
     engine.check_params(params)
     chunks = [prompts[i:i + chunk] for i in range(0, len(prompts), chunk)]
     on_step = bar.update if bar is not None else None
+
+    def tokenize(k: int):
+        return engine.tokenize(chunks[k], params, field, first + k * chunk)
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxllm-tok") as pool:
-        ahead = pool.submit(engine.tokenize, chunks[0], params) if chunks else None
+        ahead = pool.submit(tokenize, 0) if chunks else None
         for k in range(len(chunks)):
             ids = ahead.result()
             if k + 1 < len(chunks):
-                ahead = pool.submit(engine.tokenize, chunks[k + 1], params)
+                ahead = pool.submit(tokenize, k + 1)
             yield k * chunk, ids, engine.embed_ids(ids, params, on_step)
 
 
