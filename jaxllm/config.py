@@ -27,6 +27,10 @@ class ModelConfig:
     # vLLM's --runner: generate, or pooling (embeddings: jaxllm/pooling/); auto picks
     # pooling for BERT-family encoders and generate for the rest.
     runner: str = "auto"
+    # vLLM's --generation-config: auto (the model folder's generation_config.json gives
+    # the default sampling parameters), vllm (ignore it), or a FOLDER holding one.
+    # jaxllm/generation_config.py; the folder is checked with the model (config_file).
+    generation_config: str = "auto"
 
     def __post_init__(self):
         _check_choice("dtype", self.dtype, ("auto", "bfloat16", "float16", "float32"))

@@ -18,7 +18,10 @@ from jaxllm.config import (FLAT_KEYS, SECTIONS, ConfigError, EngineConfig,
                            check_against_model, engine_config_from_flat)
 
 # Keys holding a path: in a config file they are relative to the file's folder.
-PATH_KEYS = ("model", "tokenizer", "chat_template", "compilation_cache_dir")
+PATH_KEYS = ("model", "tokenizer", "chat_template", "compilation_cache_dir",
+             "generation_config")
+# Values of a path key that name no path.
+NOT_PATHS = {"generation_config": ("auto", "vllm")}
 _TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
 
 
@@ -132,7 +135,7 @@ def _flatten(raw: dict, path: str) -> dict:
 
 def _file_value(key: str, value, path: str):
     value = coerce(key, value, path)
-    if key in PATH_KEYS and isinstance(value, str):
+    if key in PATH_KEYS and isinstance(value, str) and value not in NOT_PATHS.get(key, ()):
         value = os.path.expanduser(value)
         value = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(path)), value))
     return value
@@ -169,6 +172,8 @@ def check_model(config: EngineConfig):
         check_checkpoint(mc.model, mc.load_format, mc.quantization, arch)
     except CheckpointError as e:
         raise ConfigError(f"model={mc.model!r}: {e}") from None
+    from jaxllm.generation_config import get_diff_sampling_param
+    get_diff_sampling_param(mc, log=False)   # a bad --generation-config fails here
     return arch
 
 

@@ -34,6 +34,7 @@ ENGINE_HELP = {
                     "checkpoint's quantization_config (compressed-tensors, fp8)",
     "served_model_name": "name(s) the server answers to; default: the model path",
     "chat_template": "Jinja file overriding the tokenizer's chat template",
+    "generation_config": "sampling defaults: auto (model's generation_config.json) | vllm | DIR",
     "runner": "generate | pooling (embeddings); auto: pooling for encoders and bare decoders",
     "block_size": "tokens per KV-cache block: 8, 16 or 32",
     "gpu_memory_utilization": "fraction of GPU memory for weights, activations and KV cache",
@@ -47,8 +48,7 @@ ENGINE_HELP = {
     "enable_chunked_prefill": "split long prompts over several steps so decodes keep running",
     "preemption_mode": "when KV blocks run out: recompute, or swap to host memory",
     "async_scheduling": "prepare the next step while the device runs this one",
-    "scheduling_policy": "fcfs (arrival order) or priority (the request's priority, lower "
-                         "first, ties by arrival; preemption takes the lowest first)",
+    "scheduling_policy": "fcfs (arrival order) or priority (request's priority, lower first)",
     "tensor_parallel_size": "shard the model over this many devices (must divide the heads)",
     "coordinator_address": "multi-host: host:port of process 0 for jax.distributed",
     "num_processes": "multi-host: how many processes (one per host)",
@@ -63,8 +63,7 @@ ENGINE_HELP = {
     "tool_call_parser": "how the model writes tool calls: hermes (Qwen2.5/3), qwen3_xml "
                         "(Qwen3-Coder), llama3_json, mistral, pythonic",
     "reasoning_parser": "split the model's thinking into 'reasoning': qwen3, deepseek_r1",
-    "max_waiting_requests": "answer 429 (with Retry-After) at once while this many requests "
-                            "wait for their first token; default: no bound",
+    "max_waiting_requests": "429 + Retry-After while this many requests wait; default: no bound",
     "attention_backend": "auto (pallas on GPU, reference on CPU) | pallas | reference",
     "compilation_cache_dir": "persistent XLA compilation cache folder; none turns it off",
     "enforce_eager": "skip compiling every bucket at warm-up (quicker start, slower first steps)",

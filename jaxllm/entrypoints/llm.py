@@ -11,6 +11,7 @@ import itertools
 from typing import Sequence
 
 from jaxllm.config import engine_config_from_flat
+from jaxllm.generation_config import get_diff_sampling_param
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -26,6 +27,9 @@ class LLM:
             engine_args.setdefault("runner", runner_from_task(task))
         config = engine_config_from_flat(model=model, dtype=dtype, **engine_args)
         self.runner_type = resolve_runner(config.model)
+        # Read (and checked) before the weights load; logged when it sets any.
+        self.default_sampling_params = {} if self.runner_type == "pooling" else \
+            get_diff_sampling_param(config.model)
         if self.runner_type == "pooling":
             from jaxllm.pooling.engine import PoolingEngine
             self.llm_engine = PoolingEngine(config)
@@ -44,6 +48,11 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate and chat use without sampling_params (vLLM's): the model's
+        generation config (--generation-config), else SamplingParams()."""
+        return SamplingParams(**self.default_sampling_params)
+
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
         """prompts: a string, a list of strings, or vLLM's {"prompt_token_ids": [...]}
@@ -55,7 +64,7 @@ class LLM:
             prompts = [prompts]
         elif prompts and isinstance(prompts, list) and isinstance(prompts[0], int):
             prompts = [{"prompt_token_ids": prompts}]
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.get_default_sampling_params()
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):

@@ -1,6 +1,6 @@
-"""Issue 22's launch flags: --scheduling-policy, --max-waiting-requests (and their
-config-file keys); a bad value is one line naming the setting, exit code 2, before the
-model loads."""
+"""Issue 22's launch flags: --scheduling-policy, --max-waiting-requests,
+--generation-config (and their config-file keys); a bad value is one line naming the
+setting, exit code 2, before the model loads."""
 import pytest
 
 from jaxllm.config_file import build_config
@@ -24,6 +24,11 @@ def run_cli(capsys, *argv):
     (["serve", "--max-waiting-requests", "many"], ["max_waiting_requests='many'",
                                                    "--max-waiting-requests",
                                                    "give a whole number"]),
+    (["serve", "--generation-config", "/no/such/folder"],
+     ["generation_config='/no/such/folder'", "not a folder", "--generation-config takes auto, "
+      "vllm, or a folder holding generation_config.json"]),
+    (["generate", "--prompt", "x", "--generation-config", "/"],
+     ["generation_config='/'", "the folder has no generation_config.json"]),
 ])
 def test_bad_value_is_one_line_naming_the_setting(capsys, argv, words):
     code, line = run_cli(capsys, *argv)
@@ -53,3 +58,18 @@ def test_max_waiting_requests_from_flag_and_config_file(tmp_path):
         .max_waiting_requests == 8
     generate = build_parser()._subparsers._group_actions[0].choices["generate"]
     assert "--max-waiting-requests" not in generate.format_help()   # a server setting
+
+
+def test_generation_config_from_flag_and_config_file(tmp_path, capsys):
+    assert build_config().model.generation_config == "auto"
+    for value in ("auto", "vllm"):      # names, not paths relative to the file
+        path = tmp_path / f"{value}.yaml"
+        path.write_text(f"generation_config: {value}\n")
+        assert build_config(str(path)).model.generation_config == value
+    path = tmp_path / "rel.yaml"
+    path.write_text("model:\n  generation_config: gen\n")
+    assert build_config(str(path)).model.generation_config == str(tmp_path / "gen")
+    (tmp_path / "gen").mkdir()
+    (tmp_path / "gen" / "generation_config.json").write_text('{"top_p": 7}')
+    code, line = run_cli(capsys, "serve", "--config", str(path))
+    assert code == 2 and "generation_config=" in line and "top_p" in line, line

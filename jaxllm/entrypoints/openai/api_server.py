@@ -37,6 +37,7 @@ from jaxllm.entrypoints.openai.protocol import (
 from jaxllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from jaxllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from jaxllm.entrypoints.openai.serving_models import OpenAIServingModels
+from jaxllm.generation_config import get_diff_sampling_param
 from jaxllm.metrics import StatLogger
 
 logger = logging.getLogger(__name__)
@@ -59,9 +60,11 @@ def build_app(engine: AsyncLLM, config: EngineConfig, *,
     names = config.model.served_model_name or (llm.model_name,)
     models = OpenAIServingModels(names, config.model.model or names[0], llm.max_model_len)
     server = config.server
+    # The model's generation config (--generation-config), logged when it sets any.
+    defaults = get_diff_sampling_param(config.model)
     chat = OpenAIServingChat(engine, models, tokenizer, server.enable_auto_tool_choice,
-                             server.tool_call_parser, server.reasoning_parser)
-    completion = OpenAIServingCompletion(engine, models, tokenizer)
+                             server.tool_call_parser, server.reasoning_parser, defaults)
+    completion = OpenAIServingCompletion(engine, models, tokenizer, defaults)
 
     def json_route(path: str, model: type, handler) -> Route:
         async def endpoint(request: Request) -> Response:

@@ -139,11 +139,16 @@ class _SamplingRequest(OpenAIBaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def sampling_params(self, **extra) -> SamplingParams:
-        """SamplingParams from the fields that are set (null = the default) and
-        ``extra`` (passed as is); ValueError -> 400 naming the field."""
+    def sampling_params(self, defaults: dict | None = None, **extra) -> SamplingParams:
+        """SamplingParams from the fields that are set, then ``defaults`` (the model's
+        generation config, --generation-config) for those left null, then
+        SamplingParams' own; ``extra`` is passed as is. ValueError -> 400 naming the
+        field."""
         kwargs = {name: getattr(self, name) for name in self._SAMPLING_FIELDS
                   if getattr(self, name) is not None}
+        for name, value in (defaults or {}).items():
+            if name != "max_tokens":    # the handlers fit it to the prompt
+                kwargs.setdefault(name, value)
         kwargs.update(extra, structured_outputs=structured_outputs_params(self))
         try:
             return SamplingParams(**kwargs)
@@ -264,14 +269,15 @@ class ChatCompletionRequest(_SamplingRequest):
             raise bad_request("'top_logprobs' needs 'logprobs': true.", param="top_logprobs")
         check_tools(self)
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: dict | None = None) -> SamplingParams:
         top = (self.top_logprobs or 0) if self.logprobs else None
         if top is not None and not 0 <= top <= MAX_LOGPROBS:
             raise bad_request(f"'top_logprobs' must be in [0, {MAX_LOGPROBS}], got {top}.",
                               param="top_logprobs")
         max_tokens = self.max_completion_tokens
         return self.sampling_params(
-            max_tokens=self.max_tokens if max_tokens is None else max_tokens, logprobs=top)
+            defaults, max_tokens=self.max_tokens if max_tokens is None else max_tokens,
+            logprobs=top)
 
 
 class CompletionRequest(_SamplingRequest):
@@ -311,8 +317,9 @@ class CompletionRequest(_SamplingRequest):
             return [prompt]
         return list(prompt)
 
-    def to_sampling_params(self) -> SamplingParams:
-        return self.sampling_params(max_tokens=self.max_tokens, logprobs=self.logprobs)
+    def to_sampling_params(self, defaults: dict | None = None) -> SamplingParams:
+        return self.sampling_params(defaults, max_tokens=self.max_tokens,
+                                    logprobs=self.logprobs)
 
 
 class TokenizeRequest(OpenAIBaseModel):

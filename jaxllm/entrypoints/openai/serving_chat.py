@@ -16,8 +16,9 @@ class OpenAIServingChat(OpenAIServing):
     id_prefix = "chatcmpl"
 
     def __init__(self, engine, models, tokenizer, enable_auto_tool_choice: bool = False,
-                 tool_call_parser: str | None = None, reasoning_parser: str | None = None):
-        super().__init__(engine, models, tokenizer)
+                 tool_call_parser: str | None = None, reasoning_parser: str | None = None,
+                 default_sampling_params: dict | None = None):
+        super().__init__(engine, models, tokenizer, default_sampling_params)
         from jaxllm.entrypoints.openai.tool_parsers import ToolParserManager
         from jaxllm.reasoning import ReasoningParserManager
         self.enable_auto_tool_choice = enable_auto_tool_choice
@@ -50,6 +51,7 @@ class OpenAIServingChat(OpenAIServing):
         prompt_ids = self.render([m.to_template_dict() for m in request.messages],
                                  tools=template_tools(request),
                                  template_kwargs=request.chat_template_kwargs)
+        self.default_max_tokens(params, len(prompt_ids))
         request_id, created = self.new_request()
         generation = await self.start(request_id, [prompt_ids], params, "messages",
                                       priority=request.priority)
@@ -89,7 +91,7 @@ class OpenAIServingChat(OpenAIServing):
                               '--tool-call-parser to be set', param="tool_choice")
         if mode == "auto":
             request = self.tool_parser(self.tokenizer).adjust_request(request)
-        params = request.to_sampling_params()
+        params = request.to_sampling_params(self.default_sampling_params)
         forced = forced_constraint(request)
         if forced is not None:
             if params.structured_outputs is not None:

@@ -18,7 +18,10 @@ class OpenAIServingCompletion(OpenAIServing):
             raise bad_request("'echo' together with 'logprobs' is not supported by this "
                               "server (it needs prompt logprobs).", param="echo",
                               code="unsupported_parameter")
-        params = request.to_sampling_params()
+        params = request.to_sampling_params(self.default_sampling_params)
+        if params.max_tokens is None and "max_tokens" in self.default_sampling_params:
+            # max_tokens: null; one value for all prompts, fitted to the longest.
+            self.default_max_tokens(params, max(map(self._num_tokens, request.prompt_list())))
         request_id, created = self.new_request()
         generation = await self.start(request_id, request.prompt_list(), params, "prompt",
                                       priority=request.priority)
@@ -50,6 +53,9 @@ class OpenAIServingCompletion(OpenAIServing):
                 yield sse({**head, "choices": [choice]})
         if request.include_usage:
             yield sse({**head, "choices": [], "usage": generation.usage()})
+
+    def _num_tokens(self, prompt) -> int:
+        return len(prompt) if isinstance(prompt, list) else len(self.tokenizer.encode(prompt))
 
     def _echo(self, output) -> str:
         if output.prompt is not None:

@@ -25,10 +25,23 @@ class OpenAIServing:
 
     id_prefix = "cmpl"
 
-    def __init__(self, engine: AsyncLLM, models: OpenAIServingModels, tokenizer):
+    def __init__(self, engine: AsyncLLM, models: OpenAIServingModels, tokenizer,
+                 default_sampling_params: dict | None = None):
         self.engine = engine
         self.models = models
         self.tokenizer = tokenizer   # the server's own copy: the engine thread uses its own
+        # The model's generation config (--generation-config): for fields a request
+        # leaves unset (generation_config.py).
+        self.default_sampling_params = default_sampling_params or {}
+
+    def default_max_tokens(self, params, num_prompt_tokens: int) -> None:
+        """A request without max_tokens takes the generation config's, cut to the
+        context the prompt leaves (vLLM's get_max_tokens)."""
+        value = self.default_sampling_params.get("max_tokens")
+        if params.max_tokens is not None or value is None:
+            return
+        room = self.models.max_model_len - num_prompt_tokens
+        params.max_tokens = max(min(value, room) if room >= 1 else value, params.min_tokens)
 
     def token_text(self, token_id: int, logprob) -> str:
         """A token as logprobs show it (the engine's decoding, else ours)."""
