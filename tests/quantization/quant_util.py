@@ -243,10 +243,15 @@ def prompts(vocab: int, lens=(5, 17, 40), seed: int = 2):
     return [rng.integers(0, vocab, n).tolist() for n in lens]
 
 
-def assert_greedy_up_to_ties(model, prompts, outputs, tol: float) -> None:
+def assert_greedy_up_to_ties(model, prompts, outputs, tol: float,
+                             max_flips: float = 1 / 8) -> int:
     """Each of our greedy tokens is the HF model's argmax on our own sequence (teacher
     forcing), or within `tol` times the row's logit spread of its top logit (a near-tie
-    that a rounding difference may flip); at most one token in 8 is such a flip."""
+    that a rounding difference may flip); at most `max_flips` of the tokens are such
+    flips. fp8 activations make exact equality fragile: a float difference of one ulp
+    in a layer's input can move an element across an e4m3 rounding boundary (a step
+    of 6-12%), which shifts the logits by more than float rounding would. Returns
+    the number of flips."""
     flips = 0
     for p, out in zip(prompts, outputs):
         seq = torch.tensor([p + out])
@@ -256,4 +261,5 @@ def assert_greedy_up_to_ties(model, prompts, outputs, tol: float) -> None:
             gap = float(row.max() - row[tok]) / float(row.max() - row.min())
             assert gap <= tol, (gap, tok, int(row.argmax()))
             flips += gap > 0
-    assert flips <= max(1, sum(map(len, outputs)) // 8), flips
+    assert flips <= max(1, int(sum(map(len, outputs)) * max_flips)), flips
+    return flips
