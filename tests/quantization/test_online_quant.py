@@ -1,0 +1,79 @@
+"""--quantization fp8 | int8 on a float checkpoint (vLLM's online FP8 and its int8
+twin): per-output-channel weights quantized at load (RTN, amax / 448 or amax / 127),
+per-token activation scales in the layer. Oracle: HF transformers (float32) with
+every projection's weight quantized and dequantized per channel in torch and its input
+quantized per token in a hook. Also: the setting is auto-detected from
+quantization_config, and a checkpoint's own method may be named."""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+
+import quant_util as qu
+from jaxllm.models.loader import load_model
+
+N = 24
+
+
+def rtn_hf(hf, kind: str):
+    """A copy of `hf` with per-channel RTN weights and per-token activation hooks."""
+    model = copy.deepcopy(hf)
+    qmax = 448.0 if kind == "fp8" else 127.0
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.Linear) and name != "lm_head":
+            w = m.weight.data
+            s = (w.abs().amax(dim=1, keepdim=True) / qmax).clamp_min(1e-12)
+            m.weight.data = qu._fake_quant(w, kind, s)
+            m.register_forward_pre_hook(qu.act_hook(kind, "token"))
+    return model
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2"])
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+def test_online_greedy_matches_rtn_hf(tiny_model, arch, kind):
+    folder, hf = tiny_model(arch)
+    prompts = qu.prompts(qu.shared().TINY_VOCAB)
+    ours, llm = qu.jaxllm_greedy(folder, prompts, N, quantization=kind)
+    qu.assert_greedy_up_to_ties(rtn_hf(hf, kind), prompts, ours, tol=0.01, max_flips=1 / 24)
+    state = dict(nnx.to_flat_state(llm.llm_engine.runner.state))
+    leaf = state[("layers", 0, "mlp", "gate_up_proj", "weight")].get_value()
+    assert str(leaf.dtype) == ("float8_e4m3fn" if kind == "fp8" else "int8")
+    a = llm.llm_engine.runner.arch
+    assert leaf.shape == (2, a.intermediate_size, a.hidden_size)        # [N..., K]
+
+
+def test_online_weights_are_per_channel_rtn(tiny_model):
+    folder, hf = tiny_model("llama")
+    loaded = load_model(folder, "float32", quantization="int8")
+    state = dict(nnx.to_flat_state(loaded.state))
+    q = np.asarray(state[("layers", 1, "mlp", "down_proj", "weight")].get_value())
+    s = np.asarray(state[("layers", 1, "mlp", "down_proj", "weight_scale")].get_value())
+    w = hf.model.layers[1].mlp.down_proj.weight.detach().numpy()      # [E, F]
+    np.testing.assert_allclose(s, np.abs(w).max(axis=1) / 127, rtol=1e-6)
+    np.testing.assert_array_equal(q, np.clip(np.round(w / s[:, None]), -128, 127))
+    assert np.abs(q).max() == 127
+
+
+def test_auto_detected_and_confirmed(tmp_path):
+    folder = str(tmp_path / "ct")
+    qu.write_compressed_tensors(folder, qu.make_model(folder, "llama"), "FP8_DYNAMIC")
+    auto = load_model(folder, "float32")
+    named = load_model(folder, "float32", quantization="compressed-tensors")
+    assert auto.quant == named.quant and auto.quant.method == "compressed-tensors"
+    assert not auto.quant.online and len(auto.quant.schemes) == 2 * 5
+
+
+def test_float_model_stays_float(tiny_model):
+    folder, _ = tiny_model("llama")
+    loaded = load_model(folder, "float32")
+    assert loaded.quant is None
+    assert {str(x.dtype) for x in jax_leaves(loaded.state)} == {"float32"}
+
+
+def jax_leaves(state):
+    import jax
+    return jax.tree.leaves(state)
