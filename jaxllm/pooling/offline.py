@@ -1,14 +1,17 @@
 """LLM.embed: vLLM's offline embedding call over the pooling engine.
 
-Texts go through in chunks: while the device embeds one chunk, a thread tokenizes
-the next (the Rust tokenizer releases the GIL), so tokenizing a million texts hides
-behind the model. Each chunk is length-sorted by the runner.
+Texts are tokenized in chunks on a thread (the Rust tokenizer releases the GIL)
+while the runner's full steps run, so tokenizing a million texts hides behind the
+model; steps are formed across chunks (runner.run_stream), so only the run's end
+has partial steps. `jaxllm embed` writes each chunk before the next (embed_chunks).
 """
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
 import dataclasses
+
+import numpy as np
 
 from jaxllm.pooling.outputs import EmbeddingOutput, EmbeddingRequestOutput
 from jaxllm.pooling.params import PoolingParams
@@ -37,16 +40,32 @@ def embed(llm, prompts, pooling_params: PoolingParams | None = None,
     params = pooling_params or PoolingParams()
     if truncate_prompt_tokens is not None:
         params = dataclasses.replace(params, truncate_prompt_tokens=truncate_prompt_tokens)
+    engine.check_params(params)
     dims = params.dimensions or engine.info.hidden_size
-    results: list[EmbeddingRequestOutput] = []
+    all_ids: list = []
+
+    def token_chunks():       # the next chunk tokenizes on a thread while this one runs
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxllm-tok") as pool:
+            starts = range(0, len(prompts), CHUNK)
+            ahead = [pool.submit(engine.tokenize, prompts[s:s + CHUNK], params, "input", s)
+                     for s in starts[:1]]
+            for k, s in enumerate(starts):
+                ids = ahead[k].result()
+                if k + 1 < len(starts):
+                    nxt = starts[k + 1]
+                    ahead.append(pool.submit(engine.tokenize, prompts[nxt:nxt + CHUNK], params,
+                                             "input", nxt))
+                all_ids.extend(ids)
+                yield ids
+
+    normalize = engine.info.normalize if params.normalize is None else params.normalize
     with _progress(use_tqdm, len(prompts), "Embedded prompts") as bar:
-        for start, ids, vectors in embed_chunks(engine, prompts, params, bar):
-            for i, tokens in enumerate(ids):
-                p = prompts[start + i]
-                results.append(EmbeddingRequestOutput(
-                    str(next(llm._counter)), EmbeddingOutput(vectors[i, :dims]), tokens, True,
-                    p if isinstance(p, str) else None))
-    return results
+        vectors = engine.runner.run_stream(
+            token_chunks(), np.full(len(prompts), dims, np.int32),
+            np.full(len(prompts), normalize, bool), bar.update if bar else None)
+    return [EmbeddingRequestOutput(str(next(llm._counter)), EmbeddingOutput(vectors[i, :dims]),
+                                   all_ids[i], True, p if isinstance(p, str) else None)
+            for i, p in enumerate(prompts)]
 
 
 def embed_chunks(engine, prompts: list, params: PoolingParams, bar=None, chunk: int = CHUNK,

@@ -1,12 +1,13 @@
 """The pooling model runner: token lists in, pooled float32 vectors out.
 
-Inputs are padded [B, T] buckets, not one packed ragged row. Sorted by length, each
+Inputs are padded [B, T] buckets, not one packed ragged row. Grouped by length, each
 step's rows are near-equal in length (T buckets every 8 tokens up to 128), so padding
 costs little, and attention is a dense batched matmul that XLA runs well on a GPU; a
 packed step with segment ids would need an [N, N] mask over all its tokens (or a
 segment-aware kernel) to keep texts apart. A step fills the token budget
 (max_num_batched_tokens, at most max_num_seqs rows); a (B, T) shape compiles once on
-first use.
+first use. Rows join their bucket's next step as they arrive; a bucket's step
+launches once full, and the leftovers go at the end.
 
 Each step is one host-to-device array (ids, lengths, dimensions and the normalize
 flag packed as int32 [B, T + 3]) and one device-to-host array (float32 [B, E]):
@@ -20,7 +21,7 @@ from __future__ import annotations
 import bisect
 import collections
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable
 
 import jax
 import jax.numpy as jnp
@@ -79,50 +80,100 @@ class PoolingRunner:
         """Rows of a full step padded to length t."""
         return max(1, min(self.max_rows, self.budget // t))
 
+    def bucket(self, length: int) -> int:
+        return self.buckets[bisect.bisect_left(self.buckets, length)]
+
     def plan(self, lengths: np.ndarray) -> list[tuple[np.ndarray, int, int]]:
-        """Steps as (row indices into `lengths`, T, B), rows sorted by length."""
-        order = np.argsort(lengths, kind="stable")
-        sorted_len = lengths[order]
-        steps, start, n = [], 0, len(order)
-        while start < n:
-            t = self.buckets[bisect.bisect_left(self.buckets, int(sorted_len[start]))]
-            end = int(np.searchsorted(sorted_len, t, side="right"))
-            cap = self.rows_for(t)
-            for s in range(start, end, cap):
-                rows = order[s:min(s + cap, end)]
-                steps.append((rows, t, cap if len(rows) == cap else _row_bucket(len(rows), cap)))
-            start = end
-        return steps
+        """Steps as (row indices into `lengths`, T, B) for all rows at once."""
+        planner = _Planner(self)
+        steps = [s for r, n in enumerate(lengths.tolist()) if (s := planner.add(r, n))]
+        return steps + planner.flush()
 
     def run(self, token_lists: list, dims: np.ndarray, normalize: np.ndarray,
             on_step: Callable[[int], None] | None = None) -> np.ndarray:
         """token_lists: N lists of ids (each 1..max_model_len long); dims: i32 [N]
         (E = whole); normalize: bool [N]. Returns float32 [N, E] in input order.
         on_step(rows done) is called as each step's vectors arrive."""
-        lengths = np.fromiter((len(t) for t in token_lists), np.int32, len(token_lists))
-        out = np.empty((len(token_lists), self.hidden_size), np.float32)
-        for rows, vectors in self._steps(token_lists, lengths, dims, normalize):
-            out[rows] = vectors
-            if on_step is not None:
-                on_step(len(rows))
-        return out
+        return self.run_stream([token_lists], dims, normalize, on_step)
 
-    def _steps(self, token_lists, lengths, dims, normalize) -> Iterator:
+    def run_stream(self, chunks: Iterable[list], dims: np.ndarray, normalize: np.ndarray,
+                   on_step: Callable[[int], None] | None = None) -> np.ndarray:
+        """`run` over token lists that arrive in chunks (N rows in all = len(dims)):
+        full steps launch while later chunks are still being tokenized."""
+        n = len(dims)
+        out = np.empty((n, self.hidden_size), np.float32)
+        tokens: list = []
+        lengths = np.zeros(n, np.int32)
+        planner = _Planner(self)
         in_flight: collections.deque = collections.deque()
-        for rows, t, b in self.plan(lengths):
+
+        def finish(keep: int) -> None:
+            while len(in_flight) > keep:
+                rows, result = in_flight.popleft()
+                out[rows] = np.asarray(result)[:len(rows)]
+                if on_step is not None:
+                    on_step(len(rows))
+
+        def launch(step) -> None:
+            rows, t, b = step
             packed = np.zeros((b, t + 3), np.int32)
-            for j, r in enumerate(rows):
-                packed[j, :lengths[r]] = token_lists[r]
+            for j, r in enumerate(rows.tolist()):
+                packed[j, :lengths[r]] = tokens[r]
             packed[:len(rows), -3] = lengths[rows]
             packed[:len(rows), -2] = dims[rows]
             packed[:len(rows), -1] = normalize[rows]
             in_flight.append((rows, self._step(self.state, packed)))
-            if len(in_flight) > 1:
-                done, result = in_flight.popleft()
-                yield done, np.asarray(result)[:len(done)]
-        while in_flight:
-            done, result = in_flight.popleft()
-            yield done, np.asarray(result)[:len(done)]
+            finish(1)          # two steps in flight: pack the next while one runs
+
+        for chunk in chunks:
+            base = len(tokens)
+            tokens.extend(chunk)
+            for i, t in enumerate(chunk):
+                lengths[base + i] = len(t)
+                step = planner.add(base + i, len(t))
+                if step is not None:
+                    launch(step)
+        for step in planner.flush():
+            launch(step)
+        finish(0)
+        return out
+
+
+class _Planner:
+    """Rows into steps. Each length bucket launches a full step once it has one;
+    what is left at the end goes longest first at full-step shapes (compiled
+    already) and one partial step, so a run adds at most one new shape."""
+
+    def __init__(self, runner: PoolingRunner):
+        self.runner = runner
+        self.pending: dict[int, list[int]] = collections.defaultdict(list)
+        self.lengths: dict[int, int] = {}
+
+    def add(self, row: int, length: int):
+        t = self.runner.bucket(length)
+        rows = self.pending[t]
+        rows.append(row)
+        self.lengths[row] = length
+        if len(rows) < self.runner.rows_for(t):
+            return None
+        del self.pending[t]
+        for r in rows:
+            del self.lengths[r]
+        return np.asarray(rows), t, len(rows)
+
+    def flush(self) -> list[tuple[np.ndarray, int, int]]:
+        rows = sorted(self.lengths, key=lambda r: -self.lengths[r])
+        steps, i = [], 0
+        while i < len(rows):
+            t = self.runner.bucket(self.lengths[rows[i]])
+            cap = self.runner.rows_for(t)
+            take = rows[i:i + cap]
+            steps.append((np.asarray(take), t, cap if len(take) == cap else
+                          _row_bucket(len(take), cap)))
+            i += cap
+        self.pending.clear()
+        self.lengths.clear()
+        return steps
 
 
 def _row_bucket(n: int, cap: int) -> int:

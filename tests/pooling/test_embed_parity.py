@@ -95,7 +95,9 @@ def test_token_ids_and_texts_agree(llms):
     by_ids = llm.embed([{"prompt_token_ids": t} for t in ids], use_tqdm=False)
     np.testing.assert_array_equal(stacked(by_text), stacked(by_ids))
     one = llm.embed(ids[0], use_tqdm=False)        # a bare list of ids is one prompt
-    np.testing.assert_array_equal(stacked(one)[0], stacked(by_text)[0])
+    assert len(one) == 1 and one[0].prompt_token_ids == ids[0]
+    # Alone it runs at another step shape: equal up to float rounding.
+    np.testing.assert_allclose(stacked(one)[0], stacked(by_text)[0], atol=1e-6)
 
 
 def test_alone_equals_in_a_batch(llms):

@@ -122,11 +122,12 @@ def test_plan_covers_every_row_once_within_the_budget():
     runner.buckets = seq_buckets(300)
     assert runner.buckets[:3] == [8, 16, 24] and runner.buckets[-1] == 300
     lengths = np.random.default_rng(0).integers(1, 301, size=500).astype(np.int32)
-    seen = []
+    seen, partial = [], 0
     for rows, t, b in runner.plan(lengths):
         assert len(rows) <= b and (b * t <= 512 or b == 1) and b <= 16
-        assert lengths[rows].max() <= t
-        smaller = [x for x in runner.buckets if x < t]
-        assert not smaller or lengths[rows].min() > smaller[-1]    # the tightest bucket
+        assert t == runner.bucket(int(lengths[rows].max()))         # the tightest bucket
+        assert b == runner.rows_for(t) or rows is not None and len(rows) < b
+        partial += len(rows) < b
         seen.extend(rows.tolist())
     assert sorted(seen) == list(range(500))
+    assert partial <= 1              # at most one step of a shape a full step has not
