@@ -40,9 +40,11 @@ def make_model(folder: str, arch: str, seed: int = 0, **overrides):
     overrides (block FP8 needs widths that are multiples of 128). Not saved."""
     import transformers as tf
     make_hf_config = shared().make_hf_config
+    cfg = make_hf_config(arch, **overrides)
+    if getattr(cfg, "layer_types", None):           # Qwen3 lists one entry per layer
+        cfg.layer_types = cfg.layer_types[:cfg.num_hidden_layers]
     torch.manual_seed(seed)
-    model = tf.AutoModelForCausalLM.from_config(make_hf_config(arch, **overrides),
-                                                dtype=torch.float32).eval()
+    model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() >= 2:

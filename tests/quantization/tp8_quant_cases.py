@@ -1,0 +1,101 @@
+"""Quantized models under tensor parallelism on 8 CPU devices: TP = 2, 4, 8 against
+TP = 1 through the real engine, and every quantized weight sharded like its scales.
+
+Not collected on its own: test_quant_tp.py runs it in a child process whose XLA_FLAGS
+give it 8 host devices.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+if "device_count=8" not in os.environ.get("XLA_FLAGS", ""):
+    pytest.skip("needs 8 host devices (run through test_quant_tp.py)", allow_module_level=True)
+
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import quant_util as qu  # noqa: E402
+from jaxllm import LLM  # noqa: E402
+from tp_util import ENGINE, TP_MODELS, generate_greedy  # noqa: E402
+
+# case -> (arch, how: an online --quantization or a checkpoint writer, TPs)
+CASES = {
+    "llama-online-fp8": ("llama", "fp8", [2, 4, 8]),
+    "qwen3-online-int8": ("qwen3", "int8", [2, 4, 8]),
+    "llama-ct-w8a8": ("llama", "W8A8", [2, 4, 8]),
+    "qwen3-ct-fp8-static": ("qwen3", "FP8", [2, 8]),
+    "llama-native-fp8-block": ("llama", "native", [2]),
+}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    folders, runs = {}, {}
+
+    def get(case: str, tp: int):
+        arch, how, _ = CASES[case]
+        if case not in folders:
+            folder = str(tmp_path_factory.mktemp(case))
+            if how == "native":
+                qu.write_native_fp8(folder, qu.make_model(folder, arch, num_hidden_layers=1,
+                                                          **qu.BLOCK_SHAPES))
+            else:
+                overrides, vocab = TP_MODELS[arch]
+                model = qu.make_model(folder, arch, vocab_size=vocab, **overrides)
+                if how in ("fp8", "int8"):
+                    model.save_pretrained(folder)
+                    qu.shared().build_tokenizer(folder, vocab)
+                else:
+                    qu.write_compressed_tensors(folder, model, how)
+            folders[case] = folder
+        if (case, tp) not in runs:
+            q = how if how in ("fp8", "int8") else None
+            llm = LLM(folders[case], tensor_parallel_size=tp, quantization=q, **ENGINE)
+            runs[case, tp] = (llm, *generate_greedy(llm))
+        return runs[case, tp]
+    return get
+
+
+PAIRS = [(c, tp) for c, (_, _, tps) in CASES.items() for tp in tps]
+
+
+@pytest.mark.parametrize("case,tp", PAIRS)
+def test_greedy_and_logits_match_tp1(run, case, tp):
+    _, ref_tokens, ref_logits = run(case, 1)
+    llm, tokens, logits = run(case, tp)
+    assert tokens == ref_tokens
+    for step, (a, b) in enumerate(zip(logits, ref_logits)):
+        # Shard-wise partial sums round differently, and a rounding step of one
+        # quantized activation is the larger term: looser than float TP's 1e-5.
+        np.testing.assert_allclose(a, b, rtol=2e-3, atol=2e-2, err_msg=f"step {step}")
+
+
+@pytest.mark.parametrize("case,tp", PAIRS)
+def test_weights_and_scales_shard_alike(run, case, tp):
+    llm = run(case, tp)[0]
+    arch = llm.llm_engine.runner.arch
+    state = dict(nnx.to_flat_state(llm.llm_engine.runner.state))
+    kv = "tp" if arch.num_kv_heads % tp == 0 else None
+    block = CASES[case][1] == "native"
+    # o_proj's block scales: one per 128 of its Q*D inputs, split when tp divides them
+    o_groups = "tp" if (arch.num_heads * arch.head_dim // 128) % tp == 0 else None
+    want = {   # (weight spec, scale spec): each scale split like its weight's output rows
+        "q_proj": (P("tp", None, None), P("tp", None, None) if block else P("tp", None)),
+        "kv_proj": (P(None, kv, None, None),
+                    P(None, kv, None, None) if block else P(None, kv, None)),
+        "o_proj": (P(None, "tp", None), P(None, o_groups) if block else P(None)),
+        "gate_up_proj": (P(None, "tp", None), P(None, "tp", None) if block else P(None, "tp")),
+        "down_proj": (P(None, "tp"), P(None, "tp") if block else P(None)),
+    }
+    seen = 0
+    for path, var in state.items():
+        if path[-1] not in ("weight", "weight_scale") or path[-2] not in want:
+            continue
+        spec = var.get_value().sharding.spec
+        expect = want[path[-2]][path[-1] == "weight_scale"]
+        assert tuple(spec) + (None,) * (len(expect) - len(spec)) == tuple(expect), (path, spec)
+        seen += 1
+    assert seen == 10 * arch.num_layers
