@@ -210,8 +210,8 @@ def dummy_fill(name: str, dtype) -> tuple[str, float] | None:
     uniform in +-127 and scales 0.035 / 127, so weight * scale spans +-0.035 like the
     float dummy weights; None for float parameters."""
     import jax.numpy as jnp
-    leaf = name.split(".value")[0].rsplit(".", 1)[-1]
-    if dtype in (jnp.float8_e4m3fn, jnp.int8):
+    leaf = [p for p in name.split(".") if p and p != "value"][-1]
+    if np.dtype(dtype) in (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.int8)):
         return "quantized", INT8_MAX
     if leaf == "weight_scale":
         return "const", 0.035 / INT8_MAX
