@@ -21,6 +21,7 @@ from __future__ import annotations
 import bisect
 import collections
 import functools
+import itertools
 from collections.abc import Callable, Iterable
 
 import jax
@@ -81,13 +82,13 @@ class PoolingRunner:
         return max(1, min(self.max_rows, self.budget // t))
 
     def bucket(self, length: int) -> int:
+        """The T a row of `length` tokens is padded to."""
         return self.buckets[bisect.bisect_left(self.buckets, length)]
 
     def plan(self, lengths: np.ndarray) -> list[tuple[np.ndarray, int, int]]:
         """Steps as (row indices into `lengths`, T, B) for all rows at once."""
         planner = _Planner(self)
-        steps = [s for r, n in enumerate(lengths.tolist()) if (s := planner.add(r, n))]
-        return steps + planner.flush()
+        return planner.add(np.arange(len(lengths)), lengths) + planner.flush()
 
     def run(self, token_lists: list, dims: np.ndarray, normalize: np.ndarray,
             on_step: Callable[[int], None] | None = None) -> np.ndarray:
@@ -100,10 +101,8 @@ class PoolingRunner:
                    on_step: Callable[[int], None] | None = None) -> np.ndarray:
         """`run` over token lists that arrive in chunks (N rows in all = len(dims)):
         full steps launch while later chunks are still being tokenized."""
-        n = len(dims)
-        out = np.empty((n, self.hidden_size), np.float32)
-        tokens: list = []
-        lengths = np.zeros(n, np.int32)
+        out = np.empty((len(dims), self.hidden_size), np.float32)
+        store = _TokenStore(len(dims))
         planner = _Planner(self)
         in_flight: collections.deque = collections.deque()
 
@@ -114,29 +113,54 @@ class PoolingRunner:
                 if on_step is not None:
                     on_step(len(rows))
 
-        def launch(step) -> None:
-            rows, t, b = step
-            packed = np.zeros((b, t + 3), np.int32)
-            for j, r in enumerate(rows.tolist()):
-                packed[j, :lengths[r]] = tokens[r]
-            packed[:len(rows), -3] = lengths[rows]
-            packed[:len(rows), -2] = dims[rows]
-            packed[:len(rows), -1] = normalize[rows]
-            in_flight.append((rows, self._step(self.state, packed)))
-            finish(1)          # two steps in flight: pack the next while one runs
+        def launch(steps) -> None:
+            for rows, t, b in steps:
+                packed = np.zeros((b, t + 3), np.int32)
+                packed[:len(rows), :t] = store.padded(rows, t)
+                packed[:len(rows), -3] = store.lengths[rows]
+                packed[:len(rows), -2] = dims[rows]
+                packed[:len(rows), -1] = normalize[rows]
+                in_flight.append((rows, self._step(self.state, packed)))
+                finish(1)      # two steps in flight: pack the next while one runs
 
         for chunk in chunks:
-            base = len(tokens)
-            tokens.extend(chunk)
-            for i, t in enumerate(chunk):
-                lengths[base + i] = len(t)
-                step = planner.add(base + i, len(t))
-                if step is not None:
-                    launch(step)
-        for step in planner.flush():
-            launch(step)
+            rows = store.add(chunk)
+            launch(planner.add(rows, store.lengths[rows]))
+        launch(planner.flush())
         finish(0)
         return out
+
+
+class _TokenStore:
+    """Every row's ids in one flat int32 buffer (row r at offsets[r]), so a step's
+    [B, T] block is one numpy gather instead of a Python loop over its rows."""
+
+    def __init__(self, rows: int):
+        self.flat = np.zeros(1 << 16, np.int32)
+        self.size = self.count = 0
+        self.offsets = np.zeros(rows, np.int64)
+        self.lengths = np.zeros(rows, np.int32)
+
+    def add(self, token_lists: list) -> np.ndarray:
+        n = len(token_lists)
+        lengths = np.fromiter(map(len, token_lists), np.int32, n)
+        total = int(lengths.sum())
+        while self.size + total > len(self.flat):
+            self.flat = np.concatenate([self.flat, np.zeros_like(self.flat)])
+        self.flat[self.size:self.size + total] = np.fromiter(
+            itertools.chain.from_iterable(token_lists), np.int32, total)
+        rows = np.arange(self.count, self.count + n)
+        self.lengths[rows] = lengths
+        self.offsets[rows] = self.size + np.cumsum(lengths) - lengths
+        self.size += total
+        self.count += n
+        return rows
+
+    def padded(self, rows: np.ndarray, t: int) -> np.ndarray:
+        cols = np.arange(t)
+        index = self.offsets[rows][:, None] + cols[None, :]
+        valid = cols[None, :] < self.lengths[rows][:, None]
+        return np.where(valid, self.flat[np.where(valid, index, 0)], 0)
 
 
 class _Planner:
@@ -146,33 +170,37 @@ class _Planner:
 
     def __init__(self, runner: PoolingRunner):
         self.runner = runner
-        self.pending: dict[int, list[int]] = collections.defaultdict(list)
-        self.lengths: dict[int, int] = {}
+        self.buckets = np.asarray(runner.buckets)
+        self.pending: dict[int, np.ndarray] = {}
 
-    def add(self, row: int, length: int):
-        t = self.runner.bucket(length)
-        rows = self.pending[t]
-        rows.append(row)
-        self.lengths[row] = length
-        if len(rows) < self.runner.rows_for(t):
-            return None
-        del self.pending[t]
-        for r in rows:
-            del self.lengths[r]
-        return np.asarray(rows), t, len(rows)
+    def add(self, rows: np.ndarray, lengths: np.ndarray) -> list:
+        steps = []
+        which = np.searchsorted(self.buckets, lengths, side="left")
+        for k in np.unique(which).tolist():
+            t = int(self.buckets[k])
+            queue = np.concatenate([self.pending.get(t, rows[:0]), rows[which == k]])
+            cap = self.runner.rows_for(t)
+            full = len(queue) // cap * cap
+            steps += [(queue[s:s + cap], t, cap) for s in range(0, full, cap)]
+            self.pending[t] = queue[full:]
+        return steps
 
-    def flush(self) -> list[tuple[np.ndarray, int, int]]:
-        rows = sorted(self.lengths, key=lambda r: -self.lengths[r])
+    def flush(self) -> list:
+        """The leftovers, longest bucket first; a step's T is its first row's bucket,
+        so every row in it fits."""
+        queues = [(t, q) for t, q in sorted(self.pending.items(), reverse=True) if len(q)]
+        self.pending.clear()
+        if not queues:
+            return []
+        rows = np.concatenate([q for _, q in queues])
+        ts = np.concatenate([np.full(len(q), t) for t, q in queues])
         steps, i = [], 0
         while i < len(rows):
-            t = self.runner.bucket(self.lengths[rows[i]])
+            t = int(ts[i])
             cap = self.runner.rows_for(t)
             take = rows[i:i + cap]
-            steps.append((np.asarray(take), t, cap if len(take) == cap else
-                          _row_bucket(len(take), cap)))
+            steps.append((take, t, cap if len(take) == cap else _row_bucket(len(take), cap)))
             i += cap
-        self.pending.clear()
-        self.lengths.clear()
         return steps
 
 

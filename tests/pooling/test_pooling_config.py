@@ -131,3 +131,19 @@ def test_plan_covers_every_row_once_within_the_budget():
         seen.extend(rows.tolist())
     assert sorted(seen) == list(range(500))
     assert partial <= 1              # at most one step of a shape a full step has not
+
+
+def test_token_store_gathers_the_rows_as_given():
+    from jaxllm.pooling.runner import _TokenStore
+    rng = np.random.default_rng(1)
+    chunks = [[rng.integers(0, 999, int(n)).tolist() for n in rng.integers(1, 300, size)]
+              for size in (300, 500, 7)]          # past the first buffer: it must grow
+    store = _TokenStore(807)
+    rows = [store.add(c) for c in chunks]
+    flat = [t for c in chunks for t in c]
+    assert store.size == sum(map(len, flat)) > 1 << 16
+    pick = np.concatenate(rows)[[0, 299, 300, 806, 5]]
+    block = store.padded(pick, 300)
+    for j, r in enumerate(pick.tolist()):
+        assert block[j, :len(flat[r])].tolist() == flat[r]
+        assert not block[j, len(flat[r]):].any()
