@@ -16,7 +16,9 @@ import sys
 from jaxllm.config import ConfigError
 
 
-def add_embed_parser(sub, add_engine_args) -> None:
+def add_embed_parser(sub, add_engine_args, launch_config) -> None:
+    """`jaxllm embed`'s parser; `launch_config` is the CLI's (settings merged and
+    checked), passed in so this module does not import the CLI back."""
     p = sub.add_parser("embed", help="embed the lines of a file (.npy or JSON lines out)",
                        allow_abbrev=False)
     add_engine_args(p)
@@ -32,7 +34,7 @@ def add_embed_parser(sub, add_engine_args) -> None:
     p.add_argument("--chunk-size", type=int, default=32768, metavar="LINES",
                    help="lines per chunk (each chunk is written before the next)")
     p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
-    p.set_defaults(func=cmd_embed)
+    p.set_defaults(func=cmd_embed, launch_config=launch_config)
 
 
 def pooling_launch(config, command: str):
@@ -56,7 +58,7 @@ def pooling_launch(config, command: str):
 
 
 def cmd_embed(args) -> int:
-    from jaxllm.entrypoints.cli import launch_config, report_cache
+    from jaxllm import compilation_cache
     from jaxllm.pooling.params import PoolingParams
     if args.chunk_size < 1:
         raise ConfigError(f"chunk_size={args.chunk_size}: must be >= 1")
@@ -70,7 +72,7 @@ def cmd_embed(args) -> int:
     prompts = read_inputs(args.input)
     if not hasattr(args, "runner"):      # this command only embeds
         args.runner = "pooling"
-    config, _ = launch_config(args)
+    config, _ = args.launch_config(args)
     from jaxllm.pooling.engine import InputError, PoolingEngine
     engine = PoolingEngine(config)
     try:
@@ -96,7 +98,9 @@ def cmd_embed(args) -> int:
         writer.close()
     print(f"jaxllm embed: {len(prompts)} vectors of {dims} in {args.output}"
           + (f" ({done} from an earlier run)" if done else ""), file=sys.stderr)
-    report_cache()
+    cache = compilation_cache.summary()
+    if cache:
+        print(f"jaxllm: {cache}", file=sys.stderr)
     return 0
 
 
