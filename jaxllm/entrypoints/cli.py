@@ -149,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server", allow_abbrev=False)
     add_engine_args(p, server=True)
     p.set_defaults(func=cmd_serve)
-    add_embed_parser(sub, add_engine_args)
+    add_embed_parser(sub, add_engine_args, launch_config)
 
     p = sub.add_parser("generate", help="complete prompts, JSON lines out", allow_abbrev=False)
     add_engine_args(p)
