@@ -101,8 +101,7 @@ def build_folder(name: str, dtype: str, root: str) -> tuple[str, int]:
     del model
     build_tokenizer(raw, encoder, words)
     transformer = models.Transformer(raw, max_seq_length=512)
-    pooling = models.Pooling(transformer.get_word_embedding_dimension(),
-                             pooling_mode=MODELS[name])
+    pooling = models.Pooling(hf["hidden_size"], pooling_mode=MODELS[name])
     folder = os.path.join(root, name)
     SentenceTransformer(modules=[transformer, pooling, models.Normalize()], device="cpu"
                         ).save(folder)
@@ -124,10 +123,11 @@ def bench_st(folder: str, dtype: str, texts: list[str], warm: list[str], batch_s
     except TypeError:           # sentence-transformers before 3.0
         st = SentenceTransformer(folder, device=device)
     st.to(tdtype)
-    st.encode(warm, batch_size=batch_size, convert_to_numpy=True, show_progress_bar=False)
+    # As tensors, made float32 here: older versions cannot turn bf16 into numpy.
+    st.encode(warm, batch_size=batch_size, convert_to_tensor=True, show_progress_bar=False)
     t0 = time.perf_counter()
-    vectors = st.encode(texts, batch_size=batch_size, convert_to_numpy=True,
-                        show_progress_bar=False)
+    vectors = st.encode(texts, batch_size=batch_size, convert_to_tensor=True,
+                        show_progress_bar=False).float().cpu().numpy()
     seconds = time.perf_counter() - t0
     del st
     if device == "cuda":
@@ -137,7 +137,8 @@ def bench_st(folder: str, dtype: str, texts: list[str], warm: list[str], batch_s
 
 def bench_jaxllm(folder: str, dtype: str, texts: list[str], warm: list[str], args):
     import jax
-    from jaxllm import LLM
+    from jaxllm import LLM, compilation_cache
+    compilation_cache.enable(args.compilation_cache_dir)
     flags = dict(runner="pooling", dtype=dtype, max_model_len=512,
                  max_num_seqs=args.max_num_seqs, compilation_cache_dir=args.compilation_cache_dir)
     if args.max_num_batched_tokens:
@@ -203,7 +204,8 @@ def main() -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="jaxllm's step budget (default: the engine's, 32768 on a GPU)")
     p.add_argument("--max-num-seqs", type=int, default=4096, help="jaxllm's rows per step cap")
-    p.add_argument("--compilation-cache-dir", default=None)
+    p.add_argument("--compilation-cache-dir", default=None,
+                   help="persistent XLA cache: a second run skips the warm-up's compiles")
     p.add_argument("--check", type=int, default=2000, help="texts compared between the two")
     args = p.parse_args()
     names = list(MODELS) if args.model == "all" else [
