@@ -190,7 +190,7 @@ def dummy_state(arch: ArchConfig, dtype, shardings: Callable, seed: int = 0, qua
     for i, ((path, sds), var) in enumerate(zip(flat, variables)):
         name = param_path(p.key if hasattr(p, "key") else p for p in path)
         fill = "uniform" if len(sds.shape) > 1 else ("ones" if "norm" in name else "zeros")
-        fill = dummy_fill(name, sds.dtype) or fill     # quantized weights and their scales
+        fill = dummy_fill(name, sds.dtype, quant) or fill   # quantized weights, scales
         sharding = shardings(None, var.get_metadata().get("out_sharding"), sds.shape)
         spec = (sds.shape, sds.dtype, fill, sharding)
         if spec not in generators:
@@ -212,7 +212,8 @@ def _dummy_array(key, *, shape, dtype, fill):
         kind, value = fill
         if kind == "const":
             return jnp.full(shape, value, dtype)
-        return jnp.round(jax.random.uniform(key, shape, jnp.float32, -value, value)).astype(dtype)
+        lo = 0.0 if kind == "bytes" else -value
+        return jnp.round(jax.random.uniform(key, shape, jnp.float32, lo, value)).astype(dtype)
     return jax.random.uniform(key, shape, dtype, -0.035, 0.035)
 
 

@@ -17,7 +17,7 @@ from jaxllm.layers.quantization.schemes import (CHECKPOINT_METHODS, ONLINE_METHO
                                                 QuantConfig, online_scheme, uniform_config)
 from jaxllm.models.errors import CheckpointError
 
-_CT_FORMATS = ("float-quantized", "int-quantized")
+_CT_FORMATS = ("float-quantized", "int-quantized", "pack-quantized")
 
 
 def resolve_quantization(hf: dict | None, flag: str | None, num_layers: int,
@@ -48,6 +48,9 @@ def resolve_quantization(hf: dict | None, flag: str | None, num_layers: int,
             f"or set it to {method}")
     if method == "fp8":
         return _native_fp8(qc, num_layers, source)
+    if method in ("awq", "gptq"):
+        from jaxllm.models.quant_woq import woq_config
+        return woq_config(method, qc, num_layers, source)
     return _compressed_tensors(qc, num_layers, source)
 
 
@@ -131,7 +134,8 @@ def _compressed_tensors(qc: dict, num_layers: int, source: str) -> QuantConfig:
                                       "differently; jaxllm fuses them into one matmul")
             if found[0] is not None:
                 schemes.append((f"layers.{i}.{proj}", found[0]))
-    return QuantConfig("compressed-tensors", False, tuple(schemes))
+    layout = "pack" if any(s.group is not None for _, s in schemes) else ""
+    return QuantConfig("compressed-tensors", False, tuple(schemes), layout)
 
 
 def _targets(group: dict, where: str) -> list[str]:
@@ -160,6 +164,9 @@ def _ct_scheme(group: dict, model_format, where: str) -> LinearScheme:
     w = group.get("weights")
     if not w:
         raise CheckpointError(f"{where}.weights is missing")
+    if fmt == "pack-quantized":
+        from jaxllm.models.quant_woq import pack_quantized_scheme
+        return pack_quantized_scheme(w, group.get("input_activations"), where)
     kind = "fp8" if fmt == "float-quantized" else "int8"
     _check_args(w, kind, f"{where}.weights")
     strategy = w.get("strategy", "tensor")

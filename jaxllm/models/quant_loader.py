@@ -81,6 +81,11 @@ class QuantWeights:
         _, layer, proj, _ = _split(module + ".x")
         _, in_shape, hf_shapes = module_shapes(self.arch, proj)
         r = self.reader
+        if scheme.group is not None:
+            from jaxllm.models.quant_woq import check_part
+            for part, (n, k) in zip(self._hf(layer, proj), hf_shapes):
+                check_part(r, self.quant.layout, part, n, k, scheme)
+            return
         for part, (n, k) in zip(self._hf(layer, proj), hf_shapes):
             w = f"{part}.weight"
             self._need(w)
@@ -143,6 +148,8 @@ class QuantWeights:
         out_shape, in_shape, hf_shapes = module_shapes(self.arch, proj)
         parts = self._hf(layer, proj)
         r = self.reader
+        if scheme.group is not None:
+            return self._grouped(parts, out_shape, in_shape, hf_shapes, scheme)
         w = [np.asarray(r.raw(f"{p}.weight")) for p in parts]
         weight = (np.stack(w) if len(w) > 1 else w[0]).reshape(out_shape + in_shape)
         scales = []
@@ -161,6 +168,29 @@ class QuantWeights:
             # (calibration of one input gives them all the same one).
             arrays["input_scale"] = np.asarray(
                 max(float(r.get(f"{p}.input_scale").reshape(-1)[0]) for p in parts), np.float32)
+        return arrays
+
+    def _grouped(self, parts, out_shape, in_shape, hf_shapes, scheme) -> dict:
+        from jaxllm.models.quant_woq import load_part, pack_nibbles
+        got = [load_part(self.reader, self.quant.layout, p, n, k, scheme)
+               for p, (n, k) in zip(parts, hf_shapes)]
+
+        def join(i):
+            xs = [g[i] for g in got]
+            return np.stack(xs) if len(xs) > 1 else xs[0]
+        q = join(0)
+        if scheme.weight == "uint4":
+            q = pack_nibbles(q)
+        stored = in_shape[:-1] + (in_shape[-1] // 2,) if scheme.weight == "uint4" else in_shape
+        groups = got[0][1].shape[-1]
+        arrays = {"weight": q.reshape(out_shape + stored),
+                  "weight_scale": join(1).reshape(out_shape + (groups,)),
+                  "weight_zero": join(2).reshape(out_shape + (groups,))}
+        if scheme.g_idx:
+            if any(not np.array_equal(g[3], got[0][3]) for g in got):
+                raise CheckpointError(f"{self.source}: {parts[0]} and {parts[1]} have "
+                                      "different g_idx; jaxllm fuses them into one matmul")
+            arrays["g_idx"] = got[0][3]
         return arrays
 
     def _online(self, module, layer, proj, scheme: LinearScheme) -> dict:
@@ -205,16 +235,23 @@ def check_float_tensors(reader, quant: QuantConfig | None, source: str) -> None:
                                   "quantized values as weights")
 
 
-def dummy_fill(name: str, dtype) -> tuple[str, float] | None:
+def dummy_fill(name: str, dtype, quant: QuantConfig | None = None) -> tuple[str, float] | None:
     """(fill, value) of a quantized parameter's random stand-in: fp8 / int8 weights
     uniform in +-127 and scales 0.035 / 127, so weight * scale spans +-0.035 like the
-    float dummy weights; None for float parameters."""
+    float dummy weights (uint4: random bytes, zero 8); None for float parameters."""
     import jax.numpy as jnp
     leaf = [p for p in name.split(".") if p and p != "value"][-1]
     if np.dtype(dtype) in (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.int8)):
         return "quantized", INT8_MAX
+    if np.dtype(dtype) == np.dtype(jnp.uint8):    # uint4 pairs: every byte value
+        return "bytes", 255.0
+    if leaf == "weight_zero":                     # uint4's midpoint
+        return "const", 8.0
     if leaf == "weight_scale":
-        return "const", 0.035 / INT8_MAX
+        module = ".".join([p for p in name.split(".") if p and p != "value"][:-1])
+        scheme = quant.scheme(module) if quant is not None else None
+        grouped = scheme is not None and scheme.group is not None
+        return "const", 0.035 / (8 if grouped else INT8_MAX)
     if leaf == "input_scale":
         return "const", 4.0 / FP8_MAX
     return None

@@ -63,12 +63,22 @@ def _set(path, value):
 CASES = {
     "unknown_quant_method": (_set(["quant_method"], "bitsandbytes"),
                              None, "quant_method='bitsandbytes' is not supported"),
-    "awq_not_implemented": (_set(["quant_method"], "awq"), None,
-                            "quant_method='awq' is not supported"),
-    "pack_quantized_format": (
+    "awq_gemv": (lambda c: c.update(quantization_config={
+        "quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}), None,
+        "quantization_config.version='gemv' is not supported (gemm)"),
+    "gptq_3_bits": (lambda c: c.update(quantization_config={
+        "quant_method": "gptq", "bits": 3, "group_size": 128}), None,
+        "bits=3 is not supported (4 or 8)"),
+    "gptq_group_size": (lambda c: c.update(quantization_config={
+        "quant_method": "gptq", "bits": 4, "group_size": 48}), None,
+        "group_size=48 is not supported"),
+    "pack_quantized_w4a8": (
         lambda c: (_set(["format"], "pack-quantized")(c),
                    _group(c).update(format="pack-quantized")),
-        None, "format 'pack-quantized' is not supported"),
+        None, "pack-quantized weights with quantized activations are not supported"),
+    "unknown_format": (
+        lambda c: (_set(["format"], "marlin-24")(c), _group(c).update(format="marlin-24")),
+        None, "format 'marlin-24' is not supported"),
     "four_bit_weights": (_set(["config_groups", "group_0", "weights", "num_bits"], 4), None,
                          "num_bits=4 is not supported"),
     "asymmetric": (_set(["config_groups", "group_0", "weights", "symmetric"], False), None,

@@ -15,11 +15,12 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxllm.layers.quantization.schemes import FP8_MAX, INT8_MAX, ActScheme, LinearScheme
 
-STORAGE = {"fp8": jnp.float8_e4m3fn, "int8": jnp.int8}
+STORAGE = {"fp8": jnp.float8_e4m3fn, "int8": jnp.int8, "uint4": jnp.uint8, "uint8": jnp.uint8}
 # A floor under dynamic scales: an all-zero token row quantizes to zeros, not NaN.
 _MIN_SCALE = 1e-12
 
@@ -90,6 +91,24 @@ def block_matmul(x, wq, w_scale, scheme: LinearScheme, nk: int):
                       preferred_element_type=jnp.float32)
 
 
+def grouped_dequant_matmul(x, wq, scale, zero, g_idx, scheme: LinearScheme, nk: int):
+    """Weight-only uint4 / uint8 (the plain-jnp reference; a fused dequantizing kernel
+    is the fast path to come): the weight dequantized as (q - zero) * scale per group,
+    the matmul in x's dtype with f32 accumulation."""
+    t = x.shape[0]
+    xf = x.reshape(t, -1)
+    k = xf.shape[1]
+    out = wq.shape[:wq.ndim - nk]
+    q = wq.reshape(*out, -1)
+    if scheme.weight == "uint4":     # two to a byte, the even column in the low nibble
+        q = jnp.stack([q & 15, q >> 4], axis=-1).reshape(*out, k)
+    if g_idx is None:      # column k in group k // group (a constant)
+        g_idx = np.arange(k, dtype=np.int32) // min(scheme.group, k)
+    s, z = jnp.take(scale, g_idx, axis=-1), jnp.take(zero, g_idx, axis=-1)
+    w = ((q.astype(jnp.float32) - z) * s).astype(x.dtype)
+    return jnp.einsum("tk,...k->t...", xf, w, preferred_element_type=jnp.float32)
+
+
 class QuantLinear(nnx.Module):
     """y[T, N...] = x[T, K...] @ W, W stored quantized as weight [N..., K...]."""
 
@@ -97,9 +116,18 @@ class QuantLinear(nnx.Module):
                  out_axes: tuple, in_axes: tuple):
         self.scheme = scheme
         self.nk = len(in_shape)
-        self.weight = nnx.Param(jnp.zeros(out_shape + in_shape, STORAGE[scheme.weight]),
+        stored = in_shape[:-1] + (in_shape[-1] // 2,) if scheme.weight == "uint4" else in_shape
+        self.weight = nnx.Param(jnp.zeros(out_shape + stored, STORAGE[scheme.weight]),
                                 out_sharding=out_axes + in_axes)
-        if scheme.block is None:
+        if scheme.group is not None:
+            k = math.prod(in_shape)
+            groups = -(-k // scheme.group)
+            for name in ("weight_scale", "weight_zero"):
+                setattr(self, name, nnx.Param(jnp.ones(out_shape + (groups,), jnp.float32),
+                                              out_sharding=out_axes + in_axes[:1]))
+            if scheme.g_idx:
+                self.g_idx = nnx.Param(jnp.zeros((k,), jnp.int32), out_sharding=in_axes[:1])
+        elif scheme.block is None:
             self.weight_scale = nnx.Param(jnp.ones(out_shape, jnp.float32),
                                           out_sharding=out_axes)
         else:
@@ -112,7 +140,10 @@ class QuantLinear(nnx.Module):
     def __call__(self, x):
         s = self.scheme
         w, ws = self.weight[...], self.weight_scale[...]
-        if s.block is not None:
+        if s.group is not None:
+            y = grouped_dequant_matmul(x, w, ws, self.weight_zero[...],
+                                       self.g_idx[...] if s.g_idx else None, s, self.nk)
+        elif s.block is not None:
             y = block_matmul(x, w, ws, s, self.nk)
         elif s.act is None:      # weight only: dequantize, matmul in x's dtype
             dims = ((tuple(range(1, x.ndim)), tuple(range(w.ndim - self.nk, w.ndim))),

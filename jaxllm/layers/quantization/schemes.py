@@ -14,12 +14,15 @@ from dataclasses import dataclass
 FP8_MAX = 448.0
 INT8_MAX = 127.0
 
-WEIGHT_DTYPES = ("fp8", "int8")
+WEIGHT_DTYPES = ("fp8", "int8", "uint4", "uint8")
+# Weight-only integer kinds (AWQ, GPTQ, compressed-tensors pack-quantized): unsigned
+# values with a zero point per group, dequantized as (q - zero) * scale.
+GROUPED = ("uint4", "uint8")
 
 # Online quantization (--quantization on a float checkpoint) and the methods a
 # checkpoint's quantization_config may name.
 ONLINE_METHODS = ("fp8", "int8")
-CHECKPOINT_METHODS = ("compressed-tensors", "fp8")
+CHECKPOINT_METHODS = ("compressed-tensors", "fp8", "awq", "gptq")
 
 
 @dataclass(frozen=True)
@@ -36,10 +39,15 @@ class LinearScheme:
     reaches cuBLASLt's fp8/int8 GEMMs). Scales: one per output channel (a checkpoint's
     per-tensor scale is broadcast to its channels, which is exact), or per
     block (bn, bk) of the 2-D [N, K] weight, stored repeated per row: [N..., K/bk].
-    act: None = weight only (the weight is dequantized for a float matmul)."""
+    act: None = weight only (the weight is dequantized for a float matmul).
+    uint4 / uint8 (weight only): scales and zero points per `group` columns of the
+    flattened K, [N..., K/group]; uint4 packed two to a byte along K; `g_idx`: a
+    stored column -> group map (GPTQ's act order) instead of column // group."""
     weight: str
     block: tuple[int, int] | None = None
     act: ActScheme | None = None
+    group: int | None = None
+    g_idx: bool = False
 
     def __post_init__(self):
         if self.weight not in WEIGHT_DTYPES:
@@ -54,6 +62,9 @@ class QuantConfig:
     method: str
     online: bool
     schemes: tuple[tuple[str, LinearScheme], ...]
+    # How uint4 / uint8 weights are packed: awq, gptq (zeros stored minus one),
+    # gptq_v2, or pack (compressed-tensors pack-quantized); "" for the 8-bit formats.
+    layout: str = ""
 
     def scheme(self, path: str) -> LinearScheme | None:
         return dict(self.schemes).get(path)

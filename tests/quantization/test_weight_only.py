@@ -1,0 +1,64 @@
+"""Weight-only 4- and 8-bit checkpoints (the plain-jnp dequantizing reference path):
+GPTQ (v1 zeros minus one and v2, act order with g_idx, group sizes 32/64/128, 4 and 8
+bits) and AWQ GEMM (interleaved packing), written by hand from the published layouts
+(quant_util.write_gptq_or_awq); compressed-tensors pack-quantized W4A16 (symmetric
+and asymmetric) and W8A16, packed by the compressed-tensors package.
+
+Oracles: HF transformers (float32) with the same weights dequantized (GPTQ/AWQ: by the
+writer; no activation quantization in these formats): greedy tokens equal. The
+compressed-tensors ones also by HF transformers loading the checkpoint itself."""
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as tf
+from flax import nnx
+
+import quant_util as qu
+
+N = 24
+GPTQ_AWQ = {
+    "gptq-4bit-g128": dict(method="gptq", bits=4, group=128),
+    "gptq-4bit-g32-desc-act": dict(method="gptq", bits=4, group=32, desc_act=True),
+    "gptq-8bit-g64": dict(method="gptq", bits=8, group=64),
+    "gptq-v2-4bit-g64-asym": dict(method="gptq", bits=4, group=64, version="gptq_v2",
+                                  sym=False),
+    "gptq-4bit-per-channel": dict(method="gptq", bits=4, group=-1),
+    "awq-4bit-g128": dict(method="awq", group=128, sym=False),
+    "awq-4bit-g64": dict(method="awq", group=64, sym=False),
+}
+
+
+@pytest.mark.parametrize("case", sorted(GPTQ_AWQ))
+def test_gptq_awq_greedy_matches_dequantized_hf(tmp_path, case):
+    kw = dict(GPTQ_AWQ[case])
+    arch = "qwen3" if "g64" in case else "llama"
+    folder = str(tmp_path / case)
+    hf = qu.make_model(folder, arch, **qu.BLOCK_SHAPES)
+    qu.write_gptq_or_awq(folder, hf, kw.pop("method"), **kw)
+    prompts = qu.prompts(qu.shared().TINY_VOCAB)
+    ours, llm = qu.jaxllm_greedy(folder, prompts, N)
+    assert ours == qu.hf_greedy(hf, prompts, N)
+    state = dict(nnx.to_flat_state(llm.llm_engine.runner.state))
+    w = state[("layers", 0, "mlp", "down_proj", "weight")].get_value()
+    a = llm.llm_engine.runner.arch
+    packed = 2 if kw.get("bits", 4) == 4 else 1
+    assert str(w.dtype) == "uint8" and w.shape == (a.hidden_size,
+                                                   a.intermediate_size // packed)
+
+
+@pytest.mark.parametrize("preset", ["W4A16", "W4A16_ASYM", "W8A16"])
+def test_pack_quantized_matches_the_packer_and_hf(tmp_path, preset):
+    """Oracles: the packer's own model, which compressed-tensors decompresses on its
+    first forward, and HF transformers loading the folder -- except asymmetric, whose
+    packed zero points transformers' loader rejects ([N/8, G] against its [N, G])."""
+    folder = str(tmp_path / preset)
+    packed = qu.make_model(folder, "llama", **qu.BLOCK_SHAPES)
+    qu.write_compressed_tensors(folder, packed, preset)
+    prompts = qu.prompts(qu.shared().TINY_VOCAB)
+    ours, llm = qu.jaxllm_greedy(folder, prompts, N)
+    assert ours == qu.hf_greedy(packed, prompts, N)
+    if preset != "W4A16_ASYM":
+        hf = tf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        assert ours == qu.hf_greedy(hf, prompts, N)
+    assert llm.llm_engine.runner.config.model.quantization is None     # auto-detected
