@@ -159,6 +159,10 @@ class EngineConfig:
     attention_backend: str = "auto"   # auto (pallas on GPU, reference on CPU) | pallas | reference
     compilation_cache_dir: str | None = None
     enforce_eager: bool = False       # skip warm-up compilation of every bucket
+    # On one CPU process: compile what first requests need at warm-up and the other
+    # buckets on a thread after the engine is ready (runner/compilation.py). The
+    # launcher's default; LLM() compiles everything first.
+    compile_in_background: bool = False
 
     def __post_init__(self):
         _check_choice("attention_backend", self.attention_backend,

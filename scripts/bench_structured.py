@@ -134,7 +134,6 @@ def half_rate(outs, h: int) -> float:
 def bench_engine(args) -> dict:
     from jaxllm import LLM, SamplingParams
     from jaxllm.sampling_params import StructuredOutputsParams
-    from jaxllm.structured_output import backend_guidance
     llm = LLM(args.model, load_format="dummy", dtype="bfloat16", max_model_len=2048,
               max_num_seqs=args.num, compilation_cache_dir=args.compile_cache)
     engine = llm.llm_engine
@@ -162,8 +161,7 @@ def bench_engine(args) -> dict:
     def configure(si, threads):     # what the manager sets once a constrained request came
         som.gil_switch_interval = si
         sys.setswitchinterval(si)
-        if som._filler is None or som._filler.threads != threads:
-            som._filler = backend_guidance.MaskFiller(threads)
+        som.set_mask_threads(threads)
     # Host-bound runs drift by tens of percent within one process, so each figure is
     # the median over repeats of a ratio to the plain run just before it.
     for _ in range(args.repeat):

@@ -43,12 +43,31 @@ class BucketPlan:
     def max_seqs(self) -> int:
         return self.seq_buckets[-1]
 
-    def shape_for(self, num_tokens: int, num_seqs: int, decode_only: bool) -> tuple[int, int]:
-        """(padded tokens, padded sequences)."""
+    def shape_for(self, num_tokens: int, num_seqs: int, decode_only: bool,
+                  ready=None) -> tuple[int, int, bool]:
+        """(padded tokens, padded sequences, decode_only). `ready(("step", T, S,
+        decode_only))`: whether that step can run now; while the natural bucket's
+        program is still compiling, a larger ready bucket is taken (a decode step may
+        run as a mixed step), else the natural one (whose caller then waits)."""
         if decode_only:
             s = pick(list(self.seq_buckets), num_seqs)
-            return s, s
-        return pick(list(self.token_buckets), num_tokens), self.max_seqs
+            if ready is None or ready(("step", s, s, True)):
+                return s, s, True
+            for b in self.seq_buckets:
+                if b > s and ready(("step", b, b, True)):
+                    return b, b, True
+            t = pick(list(self.token_buckets), num_tokens)
+            if not ready(("step", t, self.max_seqs, False)):
+                t = next((b for b in self.token_buckets
+                          if b > t and ready(("step", b, self.max_seqs, False))), None)
+                if t is None:
+                    return s, s, True
+            return t, self.max_seqs, False
+        t = pick(list(self.token_buckets), num_tokens)
+        if ready is not None and not ready(("step", t, self.max_seqs, False)):
+            t = next((b for b in self.token_buckets
+                      if b > t and ready(("step", b, self.max_seqs, False))), t)
+        return t, self.max_seqs, False
 
     def all_shapes(self) -> list[tuple[int, int, bool]]:
         shapes = [(s, s, True) for s in self.seq_buckets]

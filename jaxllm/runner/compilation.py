@@ -20,6 +20,7 @@ from typing import Any, Callable
 import jax
 
 from jaxllm.engine.scheduler import KVCacheLostError
+from jaxllm.runner.buckets import pick
 from jaxllm.runner.executable_store import ExecutableStore, Loaded, peak_bytes
 
 logger = logging.getLogger(__name__)
@@ -83,9 +84,10 @@ class CompileQueue:
     def __contains__(self, name: tuple) -> bool:
         return name in self._futures
 
-    def submit(self, programs: list[Program]) -> None:
+    def submit(self, programs: list[Program], defer=None) -> list[Program]:
         """Start every program not already queued (by name; the first of a name wins);
-        returns once all are lowered.
+        returns once all are lowered. `defer(name)`: programs the store lacks that are
+        neither lowered nor queued, but returned (every one the store has is loaded).
 
         Loading runs on `load_workers` threads: on the CPU backend deserializing holds
         the GIL (measured: a second thread made 4 loads slower, 5.3 s against 4.4 s)."""
@@ -100,16 +102,21 @@ class CompileQueue:
             with ThreadPoolExecutor(max(1, min(self.load_workers, len(programs)))) as pool:
                 loads = pool.map(lambda p: self.store.load(keys[p.name]), programs)
                 loaded = {p.name: x for p, x in zip(programs, loads) if x is not None}
+        deferred = []
         for p in programs:
             if p.name in loaded:
                 self._futures[p.name] = Future()
                 self._futures[p.name].set_result(loaded[p.name])
+                continue
+            if defer is not None and defer(p.name):
+                deferred.append(p)
                 continue
             t0 = time.perf_counter()
             lowered = p.lower()
             self.num_lowered += 1
             self.t_lower += time.perf_counter() - t0
             self._futures[p.name] = self._pool.submit(self._compile, lowered, keys.get(p.name))
+        return deferred
 
     def _compile(self, lowered, key: str | None) -> Loaded:
         compiled, cached = compile_fresh_or_cached(lowered)
@@ -137,6 +144,28 @@ class CompileQueue:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+def first_requests_only(plan, prompt_tokens: int = 64):
+    """A warm-up `defer` for a CPU start: what first requests need is compiled before
+    the engine is ready (the smallest decode bucket, the prefill bucket of a
+    `prompt_tokens` prompt, which smaller prompts use until theirs is ready, and the
+    greedy and plain random samplers of those buckets); the rest compile after. On
+    the 2-core machine every bucket of the default model took over two minutes."""
+    first = {("step", plan.seq_buckets[0], plan.seq_buckets[0], True),
+             ("step", pick(list(plan.token_buckets), min(prompt_tokens,
+                                                         plan.token_buckets[-1])),
+              plan.max_seqs, False)}
+    first_rows = {plan.seq_buckets[0], plan.max_seqs}
+
+    def defer(name: tuple) -> bool:
+        if name[0] == "sample":
+            _, rows, flags = name
+            plain = not (flags.num_logprobs or flags.use_bitmask or flags.use_penalties
+                         or flags.use_top_k_top_p_min_p)
+            return not (rows in first_rows and plain)
+        return name not in first
+    return defer
+
+
 class CompilationManager:
     """name -> compiled program for dispatch: ("step", T, S, decode_only) and
     ("sample", S, flags). `rebuild(name)` gives a name's Program again (for a step,
@@ -156,6 +185,9 @@ class CompilationManager:
         # Compiles started by the KV sizing for a pool of queue_blocks; see warm_up.
         self.queue: CompileQueue | None = None
         self.queue_blocks = 0
+        # Programs compiling after the warm-up (warm_up's `defer`): name -> Future.
+        self.background: dict[tuple, Future] = {}
+        self._urgent: list[tuple] = []      # the next ones the background compiles
 
     def new_queue(self) -> CompileQueue:
         return CompileQueue(self.store, self.compile_workers, self.load_workers)
@@ -183,18 +215,70 @@ class CompilationManager:
             self.keep(self.queue.results())
             self.queue = None
 
-    def warm_up(self, programs: list[Program]) -> tuple[int, CompileQueue]:
+    def warm_up(self, programs: list[Program], defer=None) -> tuple[int, CompileQueue]:
         """Have `programs` ready (those the KV sizing queued are collected, not lowered
-        again); returns (how many programs were queued, the queue)."""
+        again); returns (how many programs are ready, the queue). `defer(name)`:
+        programs the store lacks that compile afterwards on a background thread
+        instead (a step that needs one first waits for it, and it jumps the line)."""
         queue, self.queue = self.queue or self.new_queue(), None
-        queue.submit([p for p in programs if p.name not in self.programs and p.name not in queue])
+        deferred = queue.submit([p for p in programs
+                                 if p.name not in self.programs and p.name not in queue], defer)
         loaded = queue.results()
         self.keep(loaded)
+        if deferred:
+            self._compile_in_background(deferred)
         return len(loaded), queue
+
+    def _compile_in_background(self, programs: list[Program]) -> None:
+        pending = {p.name: p for p in programs}
+        self.background.update({name: Future() for name in pending})
+
+        def run():
+            t0, queue = time.perf_counter(), self.new_queue()
+            order = list(pending)
+            # Not a daemon: at exit it stops after the program in hand (the main thread
+            # is no longer alive, or the futures machinery refuses new work), so no XLA
+            # compile is cut off mid-way by the interpreter's shutdown.
+            while order and threading.main_thread().is_alive():
+                urgent = [n for n in self._urgent if n in pending]
+                name = urgent[0] if urgent else order[0]
+                order.remove(name)
+                try:
+                    queue.submit([pending.pop(name)])
+                    self.keep({name: queue.result(name)})
+                    self.background.pop(name).set_result(None)
+                except RuntimeError:       # "cannot schedule new futures": exiting
+                    break
+                except Exception as e:     # noqa: BLE001 - the jit compiles it on use
+                    logger.warning("background compile of %s failed: %s", name, str(e)[:200])
+                    self.background.pop(name).set_exception(e)
+            if order:
+                return
+            queue.results()
+            logger.info("warm-up: %d more programs ready in %.1f s, compiled after the "
+                        "engine was ready", len(programs), time.perf_counter() - t0)
+
+        threading.Thread(target=run, name="jaxllm-warm-up").start()
+
+    def ready_now(self, key: tuple) -> bool:
+        """Whether `key` runs without waiting for a background compile."""
+        return key in self.programs or key not in self.background
+
+    def _wait_for_background(self, key: tuple) -> None:
+        future = self.background.get(key)
+        if future is not None:
+            self._urgent.append(key)
+            try:
+                future.result()
+            except Exception:      # noqa: BLE001 - logged; the jit compiles it below
+                pass
 
     def call(self, key: tuple, args: tuple, jitted, jit_args: tuple):
         """The program for `key`, else the jit (which compiles on first use)."""
         compiled = self.programs.get(key)
+        if compiled is None:
+            self._wait_for_background(key)
+            compiled = self.programs.get(key)
         if compiled is None:
             return jitted(*jit_args)
         try:

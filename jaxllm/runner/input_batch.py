@@ -13,18 +13,18 @@ from jaxllm.engine.scheduler import PLACEHOLDER_TOKEN_ID
 
 
 def prepare_inputs(scheduled, plan, block_size: int, max_blocks_per_seq: int,
-                   prev_rows: dict[str, int]) -> tuple[dict, bool, int]:
+                   prev_rows: dict[str, int], ready=None) -> tuple[dict, bool, int]:
     """Fill host numpy buffers for one step. Returns (arrays, decode_only, rows).
     `prev_rows`: request id -> its row in the device's buffer of the last step's
-    samples (an input token not read back yet is written as -(row + 1)).
+    samples (an input token not read back yet is written as -(row + 1)). `ready`:
+    see BucketPlan.shape_for.
 
     Vectorized over the batch: at 256 sequences a per-sequence loop of numpy
     calls cost milliseconds of host time per step."""
     num_seqs = len(scheduled)
     lens = np.fromiter((len(r.token_ids) for r in scheduled), np.int32, num_seqs)
     num_tokens = int(lens.sum())
-    decode_only = num_tokens == num_seqs
-    t, s = plan.shape_for(num_tokens, num_seqs, decode_only)
+    t, s, decode_only = plan.shape_for(num_tokens, num_seqs, num_tokens == num_seqs, ready)
     bs = block_size
     starts = np.fromiter((r.num_computed_tokens for r in scheduled), np.int32, num_seqs)
     query_start_loc = np.full(s + 1, num_tokens, np.int32)

@@ -31,7 +31,7 @@ from jaxllm.models.loader import LoadedModel
 from jaxllm.parallel import distributed, mesh as mesh_lib
 from jaxllm.runner import executable_store, input_batch, kv_cache
 from jaxllm.runner.buckets import BucketPlan
-from jaxllm.runner.compilation import CompilationManager, Program
+from jaxllm.runner.compilation import CompilationManager, Program, first_requests_only
 from jaxllm.runner.step_inputs import StepInputs
 from jaxllm.runner.step_output import StepHandle, read_back, start_copies
 from jaxllm.runner.sampler import (SamplerOutput, SamplingMetadata, compute_logprobs,
@@ -191,7 +191,8 @@ class ModelRunner:
     def prepare_inputs(self, scheduled) -> tuple[dict, bool, int]:
         """Host numpy buffers for one step: (arrays, decode_only, rows)."""
         return input_batch.prepare_inputs(scheduled, self.plan, self.block_size,
-                                          self.max_blocks_per_seq, self._prev_rows)
+                                          self.max_blocks_per_seq, self._prev_rows,
+                                          self.compilation.ready_now)
 
     # ------------------------------------------------------------ execution
     def _step_args(self, arrays: dict, decode_only: bool, kv_caches=None) -> tuple:
@@ -349,19 +350,22 @@ class ModelRunner:
     def warm_up(self) -> float:
         """Have every bucket's program (model step and each sampler variant) compiled,
         or loaded from the executable store, and keep them for dispatch. Those the KV
-        sizing queued are collected, not lowered again."""
-        t0 = time.perf_counter()
-        num, queue = self.compilation.warm_up(self.warm_up_programs())
+        sizing queued are collected, not lowered again. With compile_in_background, on
+        one CPU process, the programs first requests need come first, the rest after."""
+        t0, platform = time.perf_counter(), self.mesh.local_devices[0].platform
+        one = self.config.parallel.num_processes == 1 and self.config.compile_in_background
+        defer = first_requests_only(self.plan) if platform == "cpu" and one else None
+        num, queue = self.compilation.warm_up(self.warm_up_programs(), defer)
         t_ready = time.perf_counter()
-        gpu = self.mesh.local_devices[0].platform == "gpu"
-        if gpu and self.config.parallel.num_processes == 1:
+        if platform == "gpu" and self.config.parallel.num_processes == 1:
             self.run_programs_once()
         elapsed = time.perf_counter() - t0
         logger.info("warm-up: %d programs ready in %.1f s (%d lowered and compiled, %.1f s "
-                    "lowering on this thread; %.1f s running each once)%s", num,
+                    "lowering on this thread; %.1f s running each once)%s%s", num,
                     elapsed, queue.num_lowered, queue.t_lower, elapsed - (t_ready - t0),
                     f" ({self.store.loads} loaded from the executable store)"
-                    if self.store else "")
+                    if self.store else "", f"; {len(self.compilation.background)} more "
+                    "compiling in the background" if self.compilation.background else "")
         return elapsed
 
     def run_programs_once(self) -> None:

@@ -72,6 +72,11 @@ class StructuredOutputManager:
         against the model's vocabulary too (waits for it in the first second of a start)."""
         backend_guidance.validate(params, self._tokenizer.result())
 
+    def set_mask_threads(self, threads: int) -> None:
+        """Compute the masks on this many llguidance threads from now on (benchmarks)."""
+        if self._filler is None or self._filler.threads != threads:
+            self._filler = backend_guidance.MaskFiller(threads)
+
     def set_tokenizer(self, lltokenizer) -> None:
         """Use this llguidance tokenizer instead (benchmarks on a dummy-weight folder,
         whose placeholder tokenizer has no real vocabulary)."""
