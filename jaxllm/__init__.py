@@ -1,5 +1,19 @@
 """jaxllm: vLLM's engine ideas on JAX/XLA for NVIDIA GPUs."""
+import logging
+
 __version__ = "0.1.0"
+
+
+class _NoTorchNotice(logging.Filter):
+    """jaxllm never uses torch: transformers' import-time line "PyTorch was not found.
+    Models won't be available ..." reads like a broken install, so it is dropped (only
+    that line; transformers' other warnings stay)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("PyTorch was not found")
+
+
+logging.getLogger("transformers").addFilter(_NoTorchNotice())
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
 
