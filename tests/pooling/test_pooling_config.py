@@ -147,3 +147,11 @@ def test_token_store_gathers_the_rows_as_given():
     for j, r in enumerate(pick.tolist()):
         assert block[j, :len(flat[r])].tolist() == flat[r]
         assert not block[j, len(flat[r]):].any()
+
+
+def test_budget_below_the_context_is_refused(embed_model):
+    from jaxllm import LLM
+    with pytest.raises(ConfigError, match="max_num_batched_tokens=64 is below max_model_len=128"):
+        LLM(embed_model("bert"), max_num_batched_tokens=64)
+    with pytest.raises(ConfigError, match="max_model_len=4096 exceeds the model's 128"):
+        LLM(embed_model("bert"), max_model_len=4096)
