@@ -28,6 +28,7 @@ CASES = {
     "llama-ct-w8a8": ("llama", "W8A8", [2, 4, 8]),
     "qwen3-ct-fp8-static": ("qwen3", "FP8", [2, 8]),
     "llama-native-fp8-block": ("llama", "native", [2]),
+    "qwen3-gptq-desc-act": ("qwen3", "gptq", [2]),
 }
 
 
@@ -42,6 +43,10 @@ def run(tmp_path_factory):
             if how == "native":
                 qu.write_native_fp8(folder, qu.make_model(folder, arch, num_hidden_layers=1,
                                                           **qu.BLOCK_SHAPES))
+            elif how == "gptq":
+                qu.write_gptq_or_awq(folder, qu.make_model(folder, arch, num_hidden_layers=1,
+                                                           **qu.BLOCK_SHAPES),
+                                     "gptq", bits=4, group=32, desc_act=True)
             else:
                 overrides, vocab = TP_MODELS[arch]
                 model = qu.make_model(folder, arch, vocab_size=vocab, **overrides)
@@ -79,9 +84,11 @@ def test_weights_and_scales_shard_alike(run, case, tp):
     arch = llm.llm_engine.runner.arch
     state = dict(nnx.to_flat_state(llm.llm_engine.runner.state))
     kv = "tp" if arch.num_kv_heads % tp == 0 else None
-    block = CASES[case][1] == "native"
-    # o_proj's block scales: one per 128 of its Q*D inputs, split when tp divides them
-    o_groups = "tp" if (arch.num_heads * arch.head_dim // 128) % tp == 0 else None
+    block = CASES[case][1] in ("native", "gptq")    # scales per row and K-group
+    # o_proj's block / group scales: one per 128 (GPTQ here: 32) of its Q*D inputs,
+    # split when tp divides them
+    size = 32 if CASES[case][1] == "gptq" else 128
+    o_groups = "tp" if (arch.num_heads * arch.head_dim // size) % tp == 0 else None
     want = {   # (weight spec, scale spec): each scale split like its weight's output rows
         "q_proj": (P("tp", None, None), P("tp", None, None) if block else P("tp", None)),
         "kv_proj": (P(None, kv, None, None),
@@ -92,10 +99,10 @@ def test_weights_and_scales_shard_alike(run, case, tp):
     }
     seen = 0
     for path, var in state.items():
-        if path[-1] not in ("weight", "weight_scale") or path[-2] not in want:
+        if path[-1] not in ("weight", "weight_scale", "weight_zero") or path[-2] not in want:
             continue
         spec = var.get_value().sharding.spec
-        expect = want[path[-2]][path[-1] == "weight_scale"]
+        expect = want[path[-2]][path[-1] != "weight"]     # zeros split like scales
         assert tuple(spec) + (None,) * (len(expect) - len(spec)) == tuple(expect), (path, spec)
         seen += 1
-    assert seen == 10 * arch.num_layers
+    assert seen == (15 if CASES[case][1] == "gptq" else 10) * arch.num_layers
