@@ -1,8 +1,9 @@
 """Quantization quality on the real default model (SmolLM2-135M-Instruct, its GGUF's
 weights dequantized to float32): perplexity of a fixed text through prompt_logprobs,
-for the float model and for jaxllm's own --quantization fp8 and int8 (W8A8: RTN
-per-channel weights, per-token activation scales). The issue's bar: FP8 and INT8
-within 2% of the float model's perplexity.
+for the float model, for jaxllm's own --quantization fp8 and int8 (W8A8: RTN
+per-channel weights, per-token activation scales), and for 4-bit RTN in asymmetric
+groups of 128 (written as a GPTQ folder and loaded through jaxllm's GPTQ path). The
+issue's bar: FP8 and INT8 within 2% of the float model's perplexity.
 
     python scripts/quant_quality.py [--model PATH] [--check]
 """
@@ -65,6 +66,59 @@ and take the middle one, or the mean of the two middle ones when the count is ev
 """
 
 MODES = [("float", None), ("fp8", "fp8"), ("int8", "int8")]
+PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def write_gptq_g128(gguf_path: str, folder: str) -> None:
+    """The GGUF's float weights with every projection RTN-quantized to 4 bits in
+    asymmetric groups of 128 (f16 scales), saved as a GPTQ v2 folder (qweight packed
+    along K, qzeros along N, 8 values to an int32, low bits first), so jaxllm loads it
+    through its GPTQ path."""
+    import json
+
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from jaxllm.models.gguf_loader import open_gguf
+    gg = open_gguf(gguf_path)
+    cfg = gg.hf_config()
+    tensors = {}
+    for name in gg.tensors:
+        w = gg.get(name)
+        if not any(f".{p}." in name for p in PROJ):
+            tensors[name] = w.astype(np.float32)
+            continue
+        n, k = w.shape
+        g = w.reshape(n, k // 128, 128)
+        lo, hi = np.minimum(g.min(-1), 0), np.maximum(g.max(-1), 0)
+        s = ((hi - lo) / 15).astype(np.float16).astype(np.float32)
+        s = np.where(s == 0, 1e-8, s)
+        z = np.clip(np.round(-lo / s), 0, 15)
+        q = np.clip(np.round(g / s[..., None]) + z[..., None], 0, 15).astype(np.uint32)
+        base = name[:-len("weight")]
+        tensors[base + "qweight"] = _pack(q.reshape(n, k).T, axis=0)
+        tensors[base + "qzeros"] = _pack(z.astype(np.uint32).T, axis=1)
+        tensors[base + "scales"] = s.T.astype(np.float16)
+    os.makedirs(folder, exist_ok=True)
+    save_file({n: np.ascontiguousarray(t) for n, t in tensors.items()},
+              os.path.join(folder, "model.safetensors"))
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128,
+                                  "desc_act": False, "sym": False,
+                                  "checkpoint_format": "gptq_v2"}
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    gg.tokenizer().save_pretrained(folder)
+
+
+def _pack(v, axis: int):
+    import numpy as np
+    if axis == 0:
+        return _pack(v.T, 1).T
+    v = v.reshape(v.shape[0], -1, 8)
+    words = np.zeros(v.shape[:2], np.uint32)
+    for i in range(8):
+        words |= v[..., i] << np.uint32(4 * i)
+    return words.view(np.int32)
 
 
 def perplexity(llm, token_ids) -> float:
@@ -81,11 +135,21 @@ def main(argv=None) -> int:
     ap.add_argument("--check", action="store_true",
                     help="exit 1 unless fp8 and int8 are within 2%% of float")
     args = ap.parse_args(argv)
+    import tempfile
+
     from jaxllm import LLM
+    from jaxllm.models.gguf_loader import default_model_path
     results = {}
     token_ids = None
-    for name, quantization in MODES:
-        llm = LLM(args.model, dtype="float32", max_model_len=2048, enforce_eager=True,
+    gguf = args.model or default_model_path()
+    tmp = tempfile.mkdtemp(prefix="jaxllm-w4g128-")
+    modes = MODES + ([("w4 g128", "gptq")] if gguf.endswith(".gguf") else [])
+    for name, quantization in modes:
+        model = args.model
+        if quantization == "gptq":     # RTN into a GPTQ folder, loaded as a checkpoint
+            write_gptq_g128(gguf, tmp)
+            model, quantization = tmp, None
+        llm = LLM(model, dtype="float32", max_model_len=2048, enforce_eager=True,
                   quantization=quantization, compilation_cache_dir=None)
         if token_ids is None:
             token_ids = llm.get_tokenizer().encode(TEXT)
