@@ -89,14 +89,16 @@ def write_gptq_g128(gguf_path: str, folder: str) -> None:
             tensors[name] = w.astype(np.float32)
             continue
         n, k = w.shape
-        g = w.reshape(n, k // 128, 128)
-        lo, hi = np.minimum(g.min(-1), 0), np.maximum(g.max(-1), 0)
+        gid = np.arange(k) // 128          # SmolLM2's 576 ends in a group of 64
+        groups = range(gid[-1] + 1)
+        lo = np.stack([np.minimum(w[:, gid == j].min(1), 0) for j in groups], 1)
+        hi = np.stack([np.maximum(w[:, gid == j].max(1), 0) for j in groups], 1)
         s = ((hi - lo) / 15).astype(np.float16).astype(np.float32)
-        s = np.where(s == 0, 1e-8, s)
+        s = np.where(s == 0, np.float32(1e-4), s)
         z = np.clip(np.round(-lo / s), 0, 15)
-        q = np.clip(np.round(g / s[..., None]) + z[..., None], 0, 15).astype(np.uint32)
+        q = np.clip(np.round(w / s[:, gid]) + z[:, gid], 0, 15).astype(np.uint32)
         base = name[:-len("weight")]
-        tensors[base + "qweight"] = _pack(q.reshape(n, k).T, axis=0)
+        tensors[base + "qweight"] = _pack(q.T, axis=0)
         tensors[base + "qzeros"] = _pack(z.astype(np.uint32).T, axis=1)
         tensors[base + "scales"] = s.T.astype(np.float16)
     os.makedirs(folder, exist_ok=True)

@@ -185,7 +185,7 @@ class QuantWeights:
         groups = got[0][1].shape[-1]
         arrays = {"weight": q.reshape(out_shape + stored),
                   "weight_scale": join(1).reshape(out_shape + (groups,)),
-                  "weight_zero": join(2).reshape(out_shape + (groups,))}
+                  "weight_zero_point": join(2).reshape(out_shape + (groups,))}
         if scheme.g_idx:
             if any(not np.array_equal(g[3], got[0][3]) for g in got):
                 raise CheckpointError(f"{self.source}: {parts[0]} and {parts[1]} have "
@@ -245,7 +245,7 @@ def dummy_fill(name: str, dtype, quant: QuantConfig | None = None) -> tuple[str,
         return "quantized", INT8_MAX
     if np.dtype(dtype) == np.dtype(jnp.uint8):    # uint4 pairs: every byte value
         return "bytes", 255.0
-    if leaf == "weight_zero":                     # uint4's midpoint
+    if leaf == "weight_zero_point":               # uint4's midpoint
         return "const", 8.0
     if leaf == "weight_scale":
         module = ".".join([p for p in name.split(".") if p and p != "value"][:-1])

@@ -65,3 +65,17 @@ def test_dummy_quantized_engine_runs_and_sizes_kv_by_quantized_bytes(tiny_model,
                        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                        use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_dummy_gptq_weights_dequantize_to_the_float_range(tmp_path):
+    folder = str(tmp_path / "gptq")
+    qu.write_gptq_or_awq(folder, qu.make_model(folder, "llama", **qu.BLOCK_SHAPES), "gptq",
+                         bits=4, group=128)
+    loaded = load_model(folder, "float32", "dummy")
+    state = dict(nnx.to_flat_state(loaded.state))
+    leaf = lambda name: np.asarray(state[("layers", 0, "mlp", "down_proj", name)].get_value())  # noqa: E731
+    w, s, z = leaf("weight"), leaf("weight_scale"), leaf("weight_zero_point")
+    q = np.stack([w & 15, w >> 4], -1).reshape(w.shape[0], -1).astype(np.float32)
+    wf = (q - z[:, :1]) * s[:, :1]
+    assert w.dtype == np.uint8 and 0.025 < np.abs(wf).max() <= 0.035 + 1e-6
+    assert len(np.unique(q)) == 16

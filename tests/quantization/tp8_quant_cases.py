@@ -99,7 +99,8 @@ def test_weights_and_scales_shard_alike(run, case, tp):
     }
     seen = 0
     for path, var in state.items():
-        if path[-1] not in ("weight", "weight_scale", "weight_zero") or path[-2] not in want:
+        if path[-1] not in ("weight", "weight_scale", "weight_zero_point") \
+                or path[-2] not in want:
             continue
         spec = var.get_value().sharding.spec
         expect = want[path[-2]][path[-1] != "weight"]     # zeros split like scales

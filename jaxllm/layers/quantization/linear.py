@@ -122,7 +122,7 @@ class QuantLinear(nnx.Module):
         if scheme.group is not None:
             k = math.prod(in_shape)
             groups = -(-k // scheme.group)
-            for name in ("weight_scale", "weight_zero"):
+            for name in ("weight_scale", "weight_zero_point"):
                 setattr(self, name, nnx.Param(jnp.ones(out_shape + (groups,), jnp.float32),
                                               out_sharding=out_axes + in_axes[:1]))
             if scheme.g_idx:
@@ -141,7 +141,7 @@ class QuantLinear(nnx.Module):
         s = self.scheme
         w, ws = self.weight[...], self.weight_scale[...]
         if s.group is not None:
-            y = grouped_dequant_matmul(x, w, ws, self.weight_zero[...],
+            y = grouped_dequant_matmul(x, w, ws, self.weight_zero_point[...],
                                        self.g_idx[...] if s.g_idx else None, s, self.nk)
         elif s.block is not None:
             y = block_matmul(x, w, ws, s, self.nk)
