@@ -53,6 +53,20 @@ class LinearScheme:
         if self.weight not in WEIGHT_DTYPES:
             raise ValueError(f"weight dtype {self.weight!r}")
 
+    def describe(self) -> str:
+        if self.group is not None:
+            per = "per channel" if self.group >= 1 << 30 else f"in groups of {self.group}"
+            order = ", act order" if self.g_idx else ""
+            return f"{self.weight[4:]}-bit weights {per}{order}, float activations"
+        w = (f"{self.weight} weights per {self.block[0]}x{self.block[1]} block" if self.block
+             else f"{self.weight} weights per channel")
+        a = self.act
+        if a is None:
+            return w + ", float activations"
+        how = (f"per token and {a.group_size}-group" if a.group_size else
+               "per token" if a.dynamic else "static per tensor")
+        return f"{w}, {a.dtype} activations {how}"
+
 
 @dataclass(frozen=True)
 class QuantConfig:
@@ -70,9 +84,9 @@ class QuantConfig:
         return dict(self.schemes).get(path)
 
     def describe(self) -> str:
-        kinds = sorted({repr(s) for _, s in self.schemes})
+        kinds = sorted({s.describe() for _, s in self.schemes})
         how = "quantized at load" if self.online else "from the checkpoint"
-        return f"{self.method} ({how}; {len(self.schemes)} linear layers: {', '.join(kinds)})"
+        return f"{self.method}, {how}: {len(self.schemes)} linear layers, {'; '.join(kinds)}"
 
 
 # jaxllm projection -> (HF module names it is made of, relative to model.layers.{i}).
