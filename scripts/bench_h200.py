@@ -234,6 +234,8 @@ def main():
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--quantization", default=None,
+                    help="fp8 | int8: random quantized weights of the model's shape (W8A8)")
     ap.add_argument("--hf-peer", action="store_true")
     ap.add_argument("--hf-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--hf-sharegpt-requests", type=int, default=64)
@@ -271,7 +273,8 @@ def main():
         logging.getLogger("jax").addHandler(_Names())
     vocab = read_hf_config(args.model)["vocab_size"]
     results = {"model": args.model, "device": str(jax.devices()[0].device_kind),
-               "tp": args.tensor_parallel_size, "tag": args.tag}
+               "tp": args.tensor_parallel_size, "tag": args.tag,
+               "quantization": args.quantization}
     if hf is not None:
         results["hf"] = hf
     t0 = time.perf_counter()
@@ -280,7 +283,7 @@ def main():
               max_num_batched_tokens=args.max_num_batched_tokens,
               attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
               tensor_parallel_size=args.tensor_parallel_size,
-              async_scheduling=not args.no_async_scheduling)
+              async_scheduling=not args.no_async_scheduling, quantization=args.quantization)
     results["startup_s"] = time.perf_counter() - t0
     results["startup_breakdown"] = llm.llm_engine.startup_breakdown
     results["compile_cache"] = compilation_cache.summary()
