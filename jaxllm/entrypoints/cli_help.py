@@ -12,7 +12,8 @@ ENGINE_HELP = {
     "seed": "seed for random weights and for requests that set none",
     "quantization": "fp8 | int8: quantize a float model's linear layers at load (W8A8, "
                     "per-channel weights, per-token activations); default: the "
-                    "checkpoint's quantization_config (compressed-tensors, fp8)",
+                    "checkpoint's quantization_config (compressed-tensors, fp8, awq, "
+                    "gptq)",
     "served_model_name": "name(s) the server answers to; default: the model path",
     "chat_template": "Jinja file overriding the tokenizer's chat template",
     "generation_config": "sampling defaults: auto (model's generation_config.json) | vllm | DIR",

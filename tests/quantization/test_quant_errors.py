@@ -160,9 +160,10 @@ def test_checkpoint_method_on_a_float_model(tiny_model, no_device_puts):
 
 def test_unknown_quantization_setting():
     from jaxllm.config import ModelConfig
-    with pytest.raises(ConfigError, match="quantization='awq' is not supported; choose one "
-                                          "of gguf, fp8, int8, compressed-tensors"):
-        ModelConfig(quantization="awq")
+    with pytest.raises(ConfigError, match="quantization='bitsandbytes' is not supported; "
+                                          "choose one of gguf, fp8, int8, compressed-tensors, "
+                                          "awq, gptq"):
+        ModelConfig(quantization="bitsandbytes")
 
 
 @pytest.mark.parametrize("case", ["scale_shape", "unknown_quant_method"])

@@ -68,3 +68,16 @@ def test_pack_quantized_matches_the_packer_and_hf(tmp_path, preset):
         hf = tf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         assert ours == qu.hf_greedy(hf, prompts, N)
     assert llm.llm_engine.runner.config.model.quantization is None     # auto-detected
+
+
+def test_flag_naming_the_checkpoint_method(tmp_path):
+    from jaxllm.models.errors import CheckpointError
+    from jaxllm.models.loader import load_model
+    folder = str(tmp_path / "awq")
+    qu.write_gptq_or_awq(folder, qu.make_model(folder, "llama", **qu.BLOCK_SHAPES), "awq",
+                         group=128, sym=False)
+    assert load_model(folder, "float32", quantization="awq").quant.layout == "awq"
+    with pytest.raises(CheckpointError, match="quantization='gptq' disagrees with the "
+                                              "checkpoint's quantization_config.quant_method="
+                                              "'awq'"):
+        load_model(folder, "float32", quantization="gptq")
