@@ -226,6 +226,8 @@ def check_float_tensors(reader, quant: QuantConfig | None, source: str) -> None:
             _, layer, proj, _ = _split(module + ".x")
             quantized.update(f"model.layers.{layer}.{p}." for p in PROJECTIONS[proj])
     for name in reader.names():
+        if not name.endswith((".weight", ".bias")):    # what the float loader reads
+            continue
         if reader.dtype(name) in _QUANTIZED_DTYPES and not any(
                 name.startswith(q) for q in quantized):
             how = ("config.json has no quantization_config" if quant is None else
