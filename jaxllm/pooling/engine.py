@@ -43,6 +43,9 @@ class PoolingEngine:
         mc = config.model
         self.config = config
         self.info = info = read_pooling_info(mc.model)
+        if mc.quantization is not None:
+            raise ConfigError(f"quantization={mc.quantization!r}: the pooling runner runs "
+                              "float weights (bfloat16, float16 or float32); leave it unset")
         if mc.max_model_len is not None and mc.max_model_len > info.context_len:
             raise ConfigError(f"max_model_len={mc.max_model_len} exceeds the model's "
                               f"{info.context_len} tokens ({mc.model}); set it to "

@@ -155,3 +155,5 @@ def test_budget_below_the_context_is_refused(embed_model):
         LLM(embed_model("bert"), max_num_batched_tokens=64)
     with pytest.raises(ConfigError, match="max_model_len=4096 exceeds the model's 128"):
         LLM(embed_model("bert"), max_model_len=4096)
+    with pytest.raises(ConfigError, match="quantization='fp8': the pooling runner"):
+        LLM(embed_model("bert"), quantization="fp8")
