@@ -87,7 +87,7 @@ CASES = [
      "model_not_found"),
     ("unknown-model-completions", "/v1/completions", {**COMPLETION, "model": "gpt-4"}, 404,
      "model", "model_not_found"),
-    ("unknown-route", "/v1/embeddings", {"input": "x"}, 404, None, None),
+    ("unknown-route", "/v1/audio/transcriptions", {"file": "x"}, 404, None, None),
     ("tokenize-neither", "/tokenize", {}, 400, "prompt", None),
     ("detokenize-bad-id", "/detokenize", {"tokens": [-1]}, 400, "tokens", None),
 ]
