@@ -169,9 +169,9 @@ def engine_calls(async_engine, monkeypatch):
     calls = []
     generate = async_engine.generate
 
-    def spy(request_id, prompt, params):
+    def spy(request_id, prompt, params, *args, **kwargs):
         calls.append(params)
-        return generate(request_id, prompt, params)
+        return generate(request_id, prompt, params, *args, **kwargs)
 
     monkeypatch.setattr(async_engine, "generate", spy)
     return calls
