@@ -7,6 +7,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import pytest
+from cuda_lowering import lower_for_cuda
 
 from pallas_kernels.paged_attention_decode import paged_attention_decode
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
@@ -14,19 +15,6 @@ from pallas_kernels.reshape_and_cache import reshape_and_cache
 
 SD = jax.ShapeDtypeStruct
 BF16, FP8, I32 = jnp.bfloat16, jnp.float8_e4m3fn, jnp.int32
-
-
-def lower_for_cuda(fn, *args):
-    """Lowered text of jit(fn) for CUDA. jax >= 0.11 wants an abstract GPU mesh in
-    context to lower for a platform this machine does not have; 0.10 takes either."""
-    try:
-        from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
-        mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,),
-                            abstract_device=AbstractDevice("NVIDIA H200", 132, "gpu"))
-    except (ImportError, TypeError):
-        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    with use_abstract_mesh(mesh):
-        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def _shapes(num_tokens, num_seqs, hq, hkv, d, bs, kv_dtype, q_dtype=BF16, nb=4000, width=64):

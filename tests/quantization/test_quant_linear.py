@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from cuda_lowering import lower_for_cuda
 
 from jaxllm.layers.quantization.linear import quantize_per_token, quantized_matmul
 from jaxllm.layers.quantization.schemes import ActScheme
@@ -38,19 +39,6 @@ def test_cpu_path_equals_numpy(kind):
     ref = (q @ w.T) * s * ws
     np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-6, atol=1e-7)
     assert np.all(np.asarray(y)[2] == 0)
-
-
-def lower_for_cuda(fn, *args) -> str:
-    """StableHLO of jit(fn) lowered for CUDA on this CPU machine (as the kernel
-    lowering tests do: jax >= 0.11 wants an abstract GPU mesh for that)."""
-    try:
-        from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
-        mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,),
-                            abstract_device=AbstractDevice("NVIDIA H200", 132, "gpu"))
-    except (ImportError, TypeError):
-        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    with use_abstract_mesh(mesh):
-        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 @pytest.mark.parametrize("kind, operand, acc", [("fp8", "f8E4M3FN", "f32"),
