@@ -74,16 +74,7 @@ def _native_fp8(qc: dict, num_layers: int, source: str) -> QuantConfig:
     else:
         scheme = LinearScheme("fp8", None, ActScheme("fp8", act == "dynamic"))
     skip = list(qc.get("modules_to_not_convert") or qc.get("ignored_layers") or [])
-    schemes = []
-    for i in range(num_layers):
-        for proj, parts in PROJECTIONS.items():
-            names = [f"model.layers.{i}.{p}" for p in parts]
-            skipped = [any(s in n for s in skip) for n in names]
-            if any(skipped) and not all(skipped):
-                raise CheckpointError(f"{where}.modules_to_not_convert leaves {names[0]} "
-                                      f"and {names[1]} in different dtypes; jaxllm fuses them")
-            if not all(skipped):
-                schemes.append((f"layers.{i}.{proj}", scheme))
+    schemes = layer_schemes(num_layers, unless_skipped(scheme, skip), mixed_skip_error(where))
     # lm_head stays float (transformers leaves the output embedding unconverted too); a
     # checkpoint that stores it quantized anyway is caught by the tensor dtype check.
     return QuantConfig("fp8", False, tuple(schemes))
@@ -124,18 +115,38 @@ def _compressed_tensors(qc: dict, num_layers: int, source: str) -> QuantConfig:
     if scheme_of("lm_head") is not None:
         raise CheckpointError(f"{where}: a quantized lm_head is not supported "
                               "(list lm_head under ignore)")
+    schemes = layer_schemes(num_layers, scheme_of, lambda names: CheckpointError(
+        f"{where}: {names[0]} and {names[1]} are quantized differently; jaxllm fuses them "
+        "into one matmul"))
+    layout = "pack" if any(s.group is not None for _, s in schemes) else ""
+    return QuantConfig("compressed-tensors", False, tuple(schemes), layout)
+
+
+def layer_schemes(num_layers: int, scheme_of, mixed) -> list[tuple]:
+    """("layers.i.proj", scheme) for each fused projection of each layer whose HF
+    modules `scheme_of(name)` quantizes (None: left float). Modules fused into one
+    matmul must agree; `mixed(names)` is the CheckpointError when they do not."""
     schemes = []
     for i in range(num_layers):
         for proj, parts in PROJECTIONS.items():
             names = [f"model.layers.{i}.{p}" for p in parts]
             found = [scheme_of(n) for n in names]
             if any(f != found[0] for f in found):
-                raise CheckpointError(f"{where}: {names[0]} and {names[1]} are quantized "
-                                      "differently; jaxllm fuses them into one matmul")
+                raise mixed(names)
             if found[0] is not None:
                 schemes.append((f"layers.{i}.{proj}", found[0]))
-    layout = "pack" if any(s.group is not None for _, s in schemes) else ""
-    return QuantConfig("compressed-tensors", False, tuple(schemes), layout)
+    return schemes
+
+
+def unless_skipped(scheme, skip: list[str]):
+    """scheme_of for layer_schemes: `scheme`, except for modules naming a `skip` entry."""
+    return lambda name: None if any(s in name for s in skip) else scheme
+
+
+def mixed_skip_error(where: str):
+    return lambda names: CheckpointError(
+        f"{where}.modules_to_not_convert leaves {names[0]} and {names[1]} in different "
+        "dtypes; jaxllm fuses them")
 
 
 def _targets(group: dict, where: str) -> list[str]:

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxllm.layers.quantization.schemes import PROJECTIONS, LinearScheme, QuantConfig
+from jaxllm.layers.quantization.schemes import LinearScheme, QuantConfig
 from jaxllm.models.errors import CheckpointError
+from jaxllm.models.quant_config import layer_schemes, mixed_skip_error, unless_skipped
 
 _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)      # nibble i holds column _AWQ_ORDER[i]
 
@@ -62,16 +63,7 @@ def woq_config(method: str, qc: dict, num_layers: int, source: str) -> QuantConf
             raise CheckpointError(f"{where}.zero_point=false is not supported")
         scheme = LinearScheme("uint4", group=_group(qc.get("group_size", 128), where))
         layout, skip = "awq", list(qc.get("modules_to_not_convert") or [])
-    schemes = []
-    for i in range(num_layers):
-        for proj, parts in PROJECTIONS.items():
-            names = [f"model.layers.{i}.{p}" for p in parts]
-            skipped = [any(s in n for s in skip) for n in names]
-            if any(skipped) and not all(skipped):
-                raise CheckpointError(f"{where}.modules_to_not_convert leaves {names[0]} and "
-                                      f"{names[1]} in different dtypes; jaxllm fuses them")
-            if not any(skipped):
-                schemes.append((f"layers.{i}.{proj}", scheme))
+    schemes = layer_schemes(num_layers, unless_skipped(scheme, skip), mixed_skip_error(where))
     return QuantConfig(method, False, tuple(schemes), layout)
 
 
