@@ -13,9 +13,10 @@ from __future__ import annotations
 import re
 
 from jaxllm.layers.quantization.schemes import (CHECKPOINT_METHODS, ONLINE_METHODS,
-                                                PROJECTIONS, ActScheme, LinearScheme,
+                                                ActScheme, LinearScheme,
                                                 QuantConfig, online_scheme, uniform_config)
 from jaxllm.models.errors import CheckpointError
+from jaxllm.models.quant_layers import layer_schemes, mixed_skip_error, unless_skipped
 
 _CT_FORMATS = ("float-quantized", "int-quantized", "pack-quantized")
 
@@ -120,33 +121,6 @@ def _compressed_tensors(qc: dict, num_layers: int, source: str) -> QuantConfig:
         "into one matmul"))
     layout = "pack" if any(s.group is not None for _, s in schemes) else ""
     return QuantConfig("compressed-tensors", False, tuple(schemes), layout)
-
-
-def layer_schemes(num_layers: int, scheme_of, mixed) -> list[tuple]:
-    """("layers.i.proj", scheme) for each fused projection of each layer whose HF
-    modules `scheme_of(name)` quantizes (None: left float). Modules fused into one
-    matmul must agree; `mixed(names)` is the CheckpointError when they do not."""
-    schemes = []
-    for i in range(num_layers):
-        for proj, parts in PROJECTIONS.items():
-            names = [f"model.layers.{i}.{p}" for p in parts]
-            found = [scheme_of(n) for n in names]
-            if any(f != found[0] for f in found):
-                raise mixed(names)
-            if found[0] is not None:
-                schemes.append((f"layers.{i}.{proj}", found[0]))
-    return schemes
-
-
-def unless_skipped(scheme, skip: list[str]):
-    """scheme_of for layer_schemes: `scheme`, except for modules naming a `skip` entry."""
-    return lambda name: None if any(s in name for s in skip) else scheme
-
-
-def mixed_skip_error(where: str):
-    return lambda names: CheckpointError(
-        f"{where}.modules_to_not_convert leaves {names[0]} and {names[1]} in different "
-        "dtypes; jaxllm fuses them")
 
 
 def _targets(group: dict, where: str) -> list[str]:

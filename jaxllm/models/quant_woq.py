@@ -19,7 +19,7 @@ import numpy as np
 
 from jaxllm.layers.quantization.schemes import LinearScheme, QuantConfig
 from jaxllm.models.errors import CheckpointError
-from jaxllm.models.quant_config import layer_schemes, mixed_skip_error, unless_skipped
+from jaxllm.models.quant_layers import layer_schemes, mixed_skip_error, unless_skipped
 
 _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)      # nibble i holds column _AWQ_ORDER[i]
 
