@@ -11,6 +11,13 @@ tokens advance the grammars) and has its grammar bitmask computed on other threa
 while this one returns the outputs and schedules again; its sampler launches at the
 start of the next step, before the next model. The device runs the model meanwhile,
 so masks cost neither the device nor this thread.
+
+Speculative decoding (the executor's ``speculative_config``) runs synchronously: after
+a step is read back, the executor's proposer drafts tokens for the requests that
+decode next (``Request.spec_token_ids``), and the next step verifies them. Not for
+constrained requests (their masks would have to follow every draft), and not while
+more than ``disable_by_batch_size`` requests run, where verifying costs more than the
+drafts save.
 """
 from __future__ import annotations
 
@@ -41,6 +48,11 @@ class EngineCore:
                  structured_output_manager=None):
         self.scheduler = scheduler
         self.executor = executor
+        self.spec_config = getattr(executor, "speculative_config", None)
+        self.spec_stats = None
+        if self.spec_config is not None:
+            from jaxllm.spec_decode.metrics import SpecDecodingStats
+            self.spec_stats = SpecDecodingStats(self.spec_config.num_speculative_tokens)
         self.async_scheduling = async_scheduling
         self.structured_output_manager = structured_output_manager
         self.seeds: dict[str, int] = {}     # request id -> its sampling seed
@@ -82,13 +94,37 @@ class EngineCore:
             self._start_masks(*launched)           # after the previous step's tokens
         if launched is None and previous is None and self.scheduler.has_unfinished_requests():
             self._wait_for_grammars()
-        if launched is not None and self.async_scheduling:
+        if launched is not None and self.async_scheduling and self.spec_config is None:
             self._in_flight = launched
         elif launched is not None:
             done = self._update(*launched)
             outputs.sampled += done.sampled
             outputs.prompt_logprobs.update(done.prompt_logprobs)
+            if self.spec_config is not None:
+                self._propose()
         return outputs
+
+    def _propose(self) -> None:
+        """Drafts for the running requests that decode next (see the module doc)."""
+        sched = self.scheduler
+        limit = self.spec_config.disable_by_batch_size or self._default_disable_by_batch_size()
+        if not sched.running or len(sched.running) > limit:
+            return
+        k = self.spec_config.num_speculative_tokens
+        reqs = [r for r in sched.running
+                if r.num_computed_tokens == r.num_tokens - 1
+                and r.structured_output_request is None]
+        if not reqs:
+            return
+        tables = [sched.kv_cache_manager.get_block_table(r) for r in reqs]
+        for req, drafts in zip(reqs, self.executor.propose_drafts(reqs, [k] * len(reqs),
+                                                                   tables)):
+            req.spec_token_ids = list(drafts)
+
+    @staticmethod
+    def _default_disable_by_batch_size() -> int:
+        from jaxllm.spec_decode.config import DEFAULT_DISABLE_BY_BATCH_SIZE
+        return DEFAULT_DISABLE_BY_BATCH_SIZE
 
     def _can_schedule_ahead(self, so: SchedulerOutput) -> bool:
         requests = self.scheduler.requests
@@ -103,8 +139,9 @@ class EngineCore:
         """Have the grammar bitmask of a step whose model is running computed (and
         copied to the device) on the manager's threads, while this thread goes on (the
         outputs, the next schedule and inputs)."""
+        # The handle's rows: a request verifying drafts has one row per draft.
         self._pending_mask = handle, self.structured_output_manager.start_bitmask(
-            so.scheduled, self.scheduler.requests, self.executor.sampler_rows(handle),
+            handle.scheduled, self.scheduler.requests, self.executor.sampler_rows(handle),
             self.executor.upload_bitmask)
 
     def _finish_sampling(self, handle) -> None:
@@ -140,11 +177,21 @@ class EngineCore:
         """Read a launched step back and advance the scheduler with its tokens."""
         self._finish_sampling(handle)
         results, prompt_logprobs = self.executor.get_output(handle)
-        updated = self.scheduler.update_from_output(
-            so, {rid: r.token_id for rid, r in results.items()})
+        tokens = {rid: [x.token_id for x in r] if isinstance(r, list) else r.token_id
+                  for rid, r in results.items()}
+        if self.spec_stats is not None:
+            for r in so.scheduled:
+                if r.spec_token_ids and r.request_id in results:
+                    self.spec_stats.observe(len(r.spec_token_ids), len(results[r.request_id]) - 1)
+        updated = self.scheduler.update_from_output(so, tokens)
+        out = EngineCoreOutputs(prompt_logprobs=prompt_logprobs)
         for req in updated:
             if req.is_finished():
                 self.seeds.pop(req.request_id, None)
-        return EngineCoreOutputs([(req, results[req.request_id]) for req in updated],
-                                 prompt_logprobs)
+            res = results[req.request_id]
+            if isinstance(res, list):     # cut by the scheduler to the tokens appended
+                out.sampled += [(req, x) for x in res[:len(tokens[req.request_id])]]
+            else:
+                out.sampled.append((req, res))
+        return out
 

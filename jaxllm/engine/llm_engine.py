@@ -73,7 +73,8 @@ class LLMEngine:
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=self.max_model_len, enable_chunked_prefill=sc.enable_chunked_prefill,
             enable_prefix_caching=config.cache.enable_prefix_caching,
-            preemption_mode=sc.preemption_mode, policy=sc.scheduling_policy)
+            preemption_mode=sc.preemption_mode, policy=sc.scheduling_policy,
+            num_lookahead_tokens=ex.num_lookahead_tokens)
         if not config.enforce_eager:
             ex.compile_or_warm_up_model()
         self.eos_token_id = self.arch.eos_token_id[0] if self.arch.eos_token_id else \

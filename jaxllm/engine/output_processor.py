@@ -109,6 +109,11 @@ class OutputProcessor:
             if entry is None:
                 continue      # aborted while its step ran
             sample, group = entry
+            if stopped and stopped[-1] == req.request_id:
+                # Speculation gave it several tokens and a stop string ended it at an
+                # earlier one: plain decoding would not have made this one.
+                req.truncate_output(req.num_output_tokens - 1)
+                continue
             if self._record_token(sample, sampled):
                 stopped.append(req.request_id)
             m = group.metrics

@@ -85,6 +85,9 @@ class Request:
         # Tokens sampled by a launched step but not yet read back (async scheduling):
         # 0 or 1. The next step feeds such a token from the device, never the host.
         self.num_output_placeholders = 0
+        # Speculative decoding: draft tokens proposed after the last step, verified by
+        # the next one (engine/core.py proposes; the scheduler consumes them).
+        self.spec_token_ids: list[int] = []
         # Prefix-cache hit at first schedule, in tokens; -1 until then.
         self.num_cached_tokens = -1
         # Chained hashes of the full blocks of all_token_ids, filled lazily by the
@@ -119,6 +122,14 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self._all_token_ids.append(token_id)
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Drop the outputs after the first `num_output_tokens` (a stop string ended
+        the request inside a step that accepted several speculated tokens)."""
+        extra = self.num_output_tokens - num_output_tokens
+        if extra > 0:
+            del self.output_token_ids[num_output_tokens:]
+            del self._all_token_ids[len(self._all_token_ids) - extra:]
 
     def is_finished(self) -> bool:
         return RequestStatus.is_finished(self.status)

@@ -26,6 +26,13 @@ already reach its length cap is not scheduled again. An EOS or stop string seen 
 costs one wasted token of compute; the scheduler is never wrong about KV, because
 every device step runs in launch order.
 
+Speculative decoding: a decoding request may carry draft tokens
+(``Request.spec_token_ids``, set by the engine core after the previous step). They are
+scheduled after its last token, with slots for them (and ``num_lookahead_tokens``
+more, where a draft model writes its own KV), and counted as computed;
+``update_from_output`` takes back the slots of the drafts the step rejected. Only
+synchronous engines speculate (the drafts depend on the tokens just read back).
+
 Contract: every ``schedule()`` is followed by one ``update_from_output()`` for it, in
 order; at most one scheduled step may be waiting for its update when ``schedule()``
 is called (sync engines update before scheduling again, async ones one step later).
@@ -41,8 +48,9 @@ from jaxllm.engine.block_pool import BlockPool
 from jaxllm.engine.kv_cache_manager import KVCacheManager
 from jaxllm.engine.request import Request, RequestStatus
 from jaxllm.engine.request_queue import SchedulingPolicy, create_request_queue, priority_key
-from jaxllm.engine.scheduler_checks import (PREEMPTION_MODES, check_stop, validate_args,
-                                            validate_request)
+from jaxllm.engine.scheduler_checks import (PREEMPTION_MODES, append_tokens,
+                                            reaches_length_cap, spec_tokens_to_verify,
+                                            validate_args, validate_request)
 # Stands for a token sampled by the previous step and not yet read back.
 PLACEHOLDER_TOKEN_ID = -1
 
@@ -55,6 +63,8 @@ class ScheduledRequest:
     block_table: list[int]      # all block ids of this request, in order
     do_sample: bool             # after this step every known token is computed: sample one
     output_index: int           # len(output_token_ids) at schedule time (seeded sampling)
+    # Draft tokens at the end of token_ids, verified by this step (speculative decoding).
+    spec_token_ids: list[int] = field(default_factory=list)
 
 
 class KVCacheLostError(RuntimeError):
@@ -88,6 +98,7 @@ class Scheduler:
         enable_prefix_caching: bool = True,
         preemption_mode: str = "recompute",
         policy: str = "fcfs",
+        num_lookahead_tokens: int = 0,
     ) -> None:
         validate_args(block_size, num_gpu_blocks, num_cpu_blocks, max_num_seqs,
                        max_num_batched_tokens, max_model_len, preemption_mode, policy)
@@ -98,6 +109,7 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.enable_prefix_caching = enable_prefix_caching
         self.preemption_mode = preemption_mode
+        self.num_lookahead_tokens = num_lookahead_tokens
         self.policy = SchedulingPolicy(policy)
         self.kv_cache_manager = KVCacheManager(block_size, num_gpu_blocks, num_cpu_blocks,
                                                enable_prefix_caching)
@@ -197,25 +209,30 @@ class Scheduler:
         return out
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
-                           sampled: dict[str, int]) -> list[Request]:
-        """Advance the scheduled requests; return those that got a new token."""
+                           sampled: dict[str, int | list[int]]) -> list[Request]:
+        """Advance the scheduled requests; return those that got new tokens. A list
+        (speculation: the accepted drafts, then the step's own token) is cut to the
+        tokens appended when one of them ends the request."""
         updated, any_finished = [], False
         for sched in scheduler_output.scheduled:
             request = self.requests.get(sched.request_id)
             if request is None:
                 continue  # finished (aborted, stop string) after it was scheduled
             status = request.status
+            stopped = False
             if sched.do_sample:
                 # Also for a request preempted since: the token came from valid KV.
                 request.num_output_placeholders -= 1
-                token = sampled[sched.request_id]
-                request.append_output_token(token)
-                if request.structured_output_request is not None:
-                    request.structured_output_request.accept(token)
+                tokens = sampled[sched.request_id]
+                if not isinstance(tokens, list):
+                    tokens = (tokens,)
+                elif status is RequestStatus.RUNNING:      # the rejected drafts' slots
+                    request.num_computed_tokens -= len(sched.spec_token_ids) + 1 - len(tokens)
+                stopped = append_tokens(request, tokens, self.max_model_len)
                 updated.append(request)
             if status is RequestStatus.RUNNING:
                 self.kv_cache_manager.cache_blocks(request)
-            if sched.do_sample and check_stop(request, self.max_model_len):
+            if stopped:
                 if status is RequestStatus.RUNNING:
                     any_finished = True
                 else:
@@ -232,13 +249,15 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(_num_wanted(request), budget)
-            if num_new == 0 or self._reaches_length_cap(request):
+            if num_new == 0 or reaches_length_cap(request, self.max_model_len):
                 i += 1   # its in-flight token is its last (or nothing to do yet)
                 continue
-            if not self._allocate_or_preempt(request, num_new, out):
+            spec = spec_tokens_to_verify(request, num_new, budget, self.max_model_len)
+            lookahead = self.num_lookahead_tokens if spec else 0
+            if not self._allocate_or_preempt(request, num_new + len(spec) + lookahead, out):
                 break  # it preempted itself: it was the last running request
-            self._add_scheduled(out, request, num_new)
-            budget -= num_new
+            self._add_scheduled(out, request, num_new, spec)
+            budget -= num_new + len(spec)
             i += 1
         return budget
 
@@ -336,35 +355,30 @@ class Scheduler:
             self.running.append(request)
         self._add_scheduled(out, request, num_new)
 
-    def _add_scheduled(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
+    def _add_scheduled(self, out: SchedulerOutput, request: Request, num_new: int,
+                       spec: list[int] = ()) -> None:
         start = request.num_computed_tokens
         end = start + num_new
         known = request.all_token_ids[start:min(end, request.num_tokens)]
         do_sample = end == request.num_tokens + request.num_output_placeholders
         out.scheduled.append(ScheduledRequest(
             request_id=request.request_id,
-            token_ids=known + [PLACEHOLDER_TOKEN_ID] * (num_new - len(known)),
+            token_ids=known + [PLACEHOLDER_TOKEN_ID] * (num_new - len(known)) + list(spec),
             num_computed_tokens=start,
             block_table=self.kv_cache_manager.get_block_table(request),
             do_sample=do_sample,
             output_index=request.num_output_tokens + request.num_output_placeholders,
+            spec_token_ids=list(spec),
         ))
-        out.num_batched_tokens += num_new
-        request.num_computed_tokens = end
+        out.num_batched_tokens += num_new + len(spec)
+        # Drafts count as computed until update_from_output rejects some; cache_blocks
+        # only registers blocks of known tokens, never a draft.
+        request.num_computed_tokens = end + len(spec)
         if do_sample:
             request.num_output_placeholders += 1
         # Registered now, not after the step: a later request (even in this step) that
         # hits these blocks reads them after this step's KV writes, in launch order.
         self.kv_cache_manager.cache_blocks(request)
-
-    def _reaches_length_cap(self, request: Request) -> bool:
-        """The tokens in flight already end the request by length: schedule no more."""
-        pending = request.num_output_placeholders
-        if not pending:
-            return False
-        max_tokens = request.max_tokens
-        return request.num_tokens + pending >= self.max_model_len or (
-            max_tokens is not None and request.num_output_tokens + pending >= max_tokens)
 
     def _computing_shared_prompt(self, request: Request) -> bool:
         """True while a sample computes prompt blocks its siblings will reuse (until

@@ -1,5 +1,6 @@
-"""The scheduler's checks: its settings, requests that could never run, and whether
-a request has finished (vLLM's check_stop)."""
+"""The scheduler's checks: its settings, requests that could never run, whether a
+request has finished (vLLM's check_stop) or reaches its length cap with the tokens in
+flight, and how many draft tokens a step may verify."""
 from __future__ import annotations
 
 from jaxllm.engine.kv_cache_manager import cdiv
@@ -79,3 +80,41 @@ def check_stop(request: Request, max_model_len: int) -> bool:
         request.status = RequestStatus.FINISHED_STOPPED   # the grammar is complete
         return True
     return False
+
+
+def append_tokens(request: Request, tokens, max_model_len: int) -> bool:
+    """Append a step's tokens up to the first that ends the request; True if one did.
+    A list of tokens (speculation) is cut to those appended: the caller reads it back."""
+    for n, token in enumerate(tokens, 1):
+        request.append_output_token(token)
+        if request.structured_output_request is not None:
+            request.structured_output_request.accept(token)
+        if check_stop(request, max_model_len):
+            if isinstance(tokens, list):
+                del tokens[n:]
+            return True
+    return False
+
+
+def reaches_length_cap(request: Request, max_model_len: int) -> bool:
+    """The tokens in flight already end the request by length: schedule no more."""
+    pending = request.num_output_placeholders
+    if not pending:
+        return False
+    max_tokens = request.max_tokens
+    return request.num_tokens + pending >= max_model_len or (
+        max_tokens is not None and request.num_output_tokens + pending >= max_tokens)
+
+
+def spec_tokens_to_verify(request: Request, num_new: int, budget: int,
+                          max_model_len: int) -> list[int]:
+    """The drafts a step verifies for a decoding request (taken off the request): as
+    many as fit the budget, the context and max_tokens once the step's own token is
+    added, since every draft may be accepted."""
+    spec, request.spec_token_ids = request.spec_token_ids, []
+    if not spec or num_new != 1 or request.num_output_placeholders:
+        return []
+    room = min(budget, max_model_len - request.num_tokens) - 1
+    if request.max_tokens is not None:
+        room = min(room, request.max_tokens - request.num_output_tokens - 1)
+    return spec[:max(room, 0)]

@@ -44,6 +44,10 @@ class Executor:
                                   self.max_num_batched_tokens)
         self.num_gpu_blocks = self.num_cpu_blocks = 0
         self.host_pool = None
+        # Speculative decoding: the proposer is built with the KV pool (a draft model's
+        # pool has the same blocks); one process only (followers would have to run it).
+        self.speculative_config = getattr(config, "speculative_config", None)
+        self.proposer = None
         self.leader = distributed.leader()   # multi-host: process 0 feeds the followers
 
     @property
@@ -57,6 +61,18 @@ class Executor:
         self.num_gpu_blocks = self.runner.num_blocks
         self.num_cpu_blocks = _num_cpu_blocks(self.config, self.runner)
         self.host_pool = self.runner.host_pool(self.num_cpu_blocks)
+        if self.speculative_config is not None:
+            from jaxllm.spec_decode.proposers import build_proposer
+            self.proposer = build_proposer(self, self.speculative_config)
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """KV slots past each step's that the proposer writes (the scheduler allocates)."""
+        return self.proposer.num_lookahead_tokens if self.proposer is not None else 0
+
+    def propose_drafts(self, requests, max_drafts, block_tables) -> list[list[int]]:
+        """Draft tokens for requests that decode next (spec_decode/proposers.py)."""
+        return self.proposer.propose(requests, max_drafts, block_tables)
 
     def compile_or_warm_up_model(self) -> float:
         """Every bucket's programs compiled or loaded; returns the seconds it took."""
@@ -74,6 +90,9 @@ class Executor:
                 before_dispatch()
             if self.leader is not None:     # after what before_dispatch sent
                 self.leader.send("execute", scheduler_output, requests, seeds, defer_sample)
+        if self.proposer is not None:
+            self.proposer.finish(scheduler_output.finished_request_ids
+                                 + scheduler_output.preempted_request_ids)
         self.runner.swap_out(scheduler_output.blocks_to_swap_out, self.host_pool)
         self.runner.swap_in(scheduler_output.blocks_to_swap_in, self.host_pool)
         hook = dispatch if before_dispatch is not None or self.leader is not None else None

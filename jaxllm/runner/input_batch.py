@@ -5,6 +5,7 @@ Letter legend: T padded tokens, S padded sequences, B blocks per block-table row
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -54,6 +55,42 @@ def prepare_inputs(scheduled, plan, block_size: int, max_blocks_per_seq: int,
                   block_tables=block_tables, seq_lens=seq_lens,
                   query_start_loc=query_start_loc, logits_indices=logits_indices)
     return arrays, decode_only, s
+
+
+def max_rows(config) -> int:
+    """Rows a step may have: max_num_seqs, or with speculation (k drafts, k + 1 rows
+    per request, while at most disable_by_batch_size requests run) more."""
+    seqs, spec = config.scheduler.max_num_seqs, getattr(config, "speculative_config", None)
+    if spec is None:
+        return seqs
+    from jaxllm.spec_decode.config import DEFAULT_DISABLE_BY_BATCH_SIZE
+    limit = spec.disable_by_batch_size or DEFAULT_DISABLE_BY_BATCH_SIZE
+    return max(seqs, min(seqs, limit) * (1 + spec.num_speculative_tokens))
+
+
+def expand_spec_rows(scheduled) -> tuple[list, dict | None]:
+    """Speculative decoding: a request verifying k drafts becomes k + 1 one-token rows
+    (row j feeds token j at position c + j with the same block table; its
+    spec_token_ids are the drafts before it, its output_index counts them). So the
+    verify step is an ordinary decode step, every row sampled as plain decoding
+    samples it: the same kernels, the same per-row randomness, and the drafts' KV is
+    written before any row's attention reads it. Returns (rows, request id -> (first
+    row, drafts)), or (scheduled, None) when nothing speculates."""
+    if not any(r.spec_token_ids for r in scheduled):
+        return scheduled, None
+    rows, spec = [], {}
+    for r in scheduled:
+        drafts = r.spec_token_ids
+        if not drafts:
+            rows.append(r)
+            continue
+        spec[r.request_id] = (len(rows), drafts)
+        rows += [dataclasses.replace(r, token_ids=[r.token_ids[j]],
+                                     num_computed_tokens=r.num_computed_tokens + j,
+                                     output_index=r.output_index + j,
+                                     spec_token_ids=drafts[:j])
+                 for j in range(len(drafts) + 1)]
+    return rows, spec
 
 
 def prompt_targets(scheduled, requests, num_tokens: int):

@@ -75,7 +75,7 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
-        self.plan = BucketPlan.build(max_num_batched_tokens, config.scheduler.max_num_seqs)
+        self.plan = BucketPlan.build(max_num_batched_tokens, input_batch.max_rows(config))
         mesh_lib.validate_tp(self.arch.num_heads, self.arch.num_kv_heads, mesh.size)  # TP
         backend = self._backend()
         self.spec = AttentionSpec(
@@ -249,9 +249,9 @@ class ModelRunner:
         is scheduled. `defer_sample`: the model only (sample_tokens follows, with the
         grammar bitmask). `before_dispatch()` runs just before the model launches, its
         host inputs ready (the engine core launches the previous deferred sampler there)."""
-        scheduled = scheduler_output.scheduled
-        if not scheduled:
+        if not scheduler_output.scheduled:
             return None
+        scheduled, spec = input_batch.expand_spec_rows(scheduler_output.scheduled)
         arrays, decode_only, rows = self.prepare_inputs(scheduled)
         targets = input_batch.prompt_targets(scheduled, requests, len(arrays["input_ids"]))
         reqs = [requests[r.request_id] for r in scheduled]
@@ -267,7 +267,7 @@ class ModelRunner:
         md, flags = sampling or self._sampling_metadata(scheduled, reqs, rows, fallback_seeds)
         self.remember_rows(scheduled)     # where the next step's inputs find its tokens
         handle = StepHandle(scheduled, requests, None, flags.num_logprobs, prompt_out,
-                            pending=(logits, md, flags))
+                            pending=(logits, md, flags), spec=spec)
         if not defer_sample:
             self.sample_tokens(handle, None)
         return handle
@@ -275,7 +275,9 @@ class ModelRunner:
     def _sampling_metadata(self, scheduled, reqs, rows: int, fallback_seeds: dict):
         return SamplingMetadata.from_params(
             [q.sampling_params for q in reqs], [r.output_index for r in scheduled],
-            [q.prompt_token_ids for q in reqs], [q.output_token_ids for q in reqs],
+            [q.prompt_token_ids for q in reqs],   # a verify row's penalties see the drafts
+            [q.output_token_ids + r.spec_token_ids if r.spec_token_ids else q.output_token_ids
+             for q, r in zip(reqs, scheduled)],
             rows, self.arch.vocab_size,
             fallback_seeds=[fallback_seeds[q.request_id] for q in reqs],
             eos_token_ids=self._eos_ids())

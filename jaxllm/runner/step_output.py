@@ -30,6 +30,7 @@ class StepHandle:
     num_logprobs: int
     prompt_out: tuple | None
     pending: tuple | None = None
+    spec: dict | None = None    # input_batch.expand_spec_rows: id -> (first row, drafts)
 
 
 def start_copies(handle: StepHandle) -> None:
@@ -42,7 +43,9 @@ def start_copies(handle: StepHandle) -> None:
 
 def read_back(handle: StepHandle):
     """(id -> SampleResult for the requests whose chunk reached the end of their
-    tokens, id -> prompt logprob rows)."""
+    tokens, id -> prompt logprob rows). A request that verified drafts gets a list:
+    the results of its rows up to the first whose sample differs from the draft it
+    verifies, that one included (see accept_drafts)."""
     out = jax.device_get(handle.sampled)
     scheduled, results = handle.scheduled, {}
     for i, r in enumerate(scheduled):
@@ -53,9 +56,33 @@ def read_back(handle: StepHandle):
         if handle.num_logprobs:
             res.top_ids = out.top_logprob_ids[i].tolist()
             res.top_logprobs = out.top_logprobs[i].tolist()
-        results[r.request_id] = res
+        results[r.request_id if handle.spec is None else i] = res
+    if handle.spec is not None:
+        results = accept_drafts(results, scheduled, handle.spec)
     prompt = {}
     if handle.prompt_out is not None:
         prompt = input_batch.split_prompt_logprobs(scheduled, handle.requests,
                                                    jax.device_get(handle.prompt_out))
     return results, prompt
+
+
+def accept_drafts(row_results: dict, rows: list, spec: dict) -> dict:
+    """Rows' results (by row) -> results by request id. A draft is accepted when the
+    target's own sample at its position equals it. The drafts are point masses (each
+    proposer proposes one token, greedily), and for a point mass q = 1[x = d] vLLM's
+    rule (accept with min(1, p(d) / q(d)) = p(d), else sample from norm(max(p - q, 0)))
+    draws exactly from p, as sampling p and comparing does; so sampled output keeps
+    the target's distribution, and greedy output is plain greedy decoding's."""
+    results = {}
+    for i, r in enumerate(rows):
+        if i in row_results and r.request_id not in spec:
+            results[r.request_id] = row_results[i]
+    for rid, (first, drafts) in spec.items():
+        accepted = []
+        for j in range(len(drafts) + 1):
+            res = row_results[first + j]
+            accepted.append(res)
+            if j == len(drafts) or res.token_id != drafts[j]:
+                break
+        results[rid] = accepted
+    return results
