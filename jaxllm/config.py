@@ -8,9 +8,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-
-class ConfigError(ValueError):
-    """A bad setting: the message names the key, the value and what to change."""
+# ConfigError lives in a leaf module so spec_decode.config can raise it; import both
+# from here.
+from jaxllm.config_error import ConfigError
+from jaxllm.spec_decode.config import SpeculativeConfig
 
 
 @dataclass(frozen=True)
@@ -163,10 +164,15 @@ class EngineConfig:
     # buckets on a thread after the engine is ready (runner/compilation.py). The
     # launcher's default; LLM() compiles everything first.
     compile_in_background: bool = False
+    # vLLM's speculative_config (jaxllm/spec_decode/config.py): a dict, a JSON object
+    # string (the CLI flag's) or a SpeculativeConfig; None = no speculation.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self):
         _check_choice("attention_backend", self.attention_backend,
                       ("auto", "pallas", "reference"))
+        object.__setattr__(self, "speculative_config",
+                           SpeculativeConfig.from_value(self.speculative_config))
 
     def replace(self, **sections) -> "EngineConfig":
         return dataclasses.replace(self, **sections)

@@ -10,12 +10,13 @@ Pure Python: jax is imported only by `prepare_launch`, after the flags are parse
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import os
 import typing
 
 from jaxllm.config import (FLAT_KEYS, SECTIONS, ConfigError, EngineConfig,
-                           check_against_model, engine_config_from_flat)
+                           SpeculativeConfig, check_against_model, engine_config_from_flat)
 
 # Keys holding a path: in a config file they are relative to the file's folder.
 PATH_KEYS = ("model", "tokenizer", "chat_template", "compilation_cache_dir",
@@ -56,6 +57,8 @@ def coerce(key: str, value, source: str):
         if optional:
             return None
         _bad(key, value, source, f"a value is required ({_describe(base)})")
+    if base is SpeculativeConfig:                   # a mapping (file) or JSON (flag)
+        return SpeculativeConfig.from_value(value, source)
     if typing.get_origin(base) is tuple:            # served_model_name
         items = [value] if isinstance(value, str) else value
         if not isinstance(items, (list, tuple)) or not all(isinstance(v, str) for v in items):
@@ -136,9 +139,15 @@ def _flatten(raw: dict, path: str) -> dict:
 def _file_value(key: str, value, path: str):
     value = coerce(key, value, path)
     if key in PATH_KEYS and isinstance(value, str) and value not in NOT_PATHS.get(key, ()):
-        value = os.path.expanduser(value)
-        value = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(path)), value))
+        value = _from_file_folder(value, path)
+    if isinstance(value, SpeculativeConfig) and value.model is not None:  # the draft's
+        value = dataclasses.replace(value, model=_from_file_folder(value.model, path))
     return value
+
+
+def _from_file_folder(value: str, path: str) -> str:
+    value = os.path.expanduser(value)
+    return os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(path)), value))
 
 
 def merge_settings(defaults: dict, config_path: str | None, flags: dict) -> dict:

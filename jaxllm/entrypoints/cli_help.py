@@ -49,6 +49,11 @@ ENGINE_HELP = {
     "attention_backend": "auto (pallas on GPU, reference on CPU) | pallas | reference",
     "compilation_cache_dir": "persistent XLA compilation cache folder; none turns it off",
     "enforce_eager": "skip compiling every bucket at warm-up (quicker start, slower first steps)",
+    "speculative_config": "speculative decoding, a JSON object of vLLM's keys: method (ngram | "
+                          "draft_model | eagle | eagle3), num_speculative_tokens (1..16), "
+                          "prompt_lookup_min/max (ngram), model (draft or EAGLE head folder), "
+                          "disable_by_batch_size; e.g. '{\"method\": \"ngram\", "
+                          "\"num_speculative_tokens\": 4}'",
     "compile_in_background": "on CPU: compile the buckets first requests need, then serve "
                              "while the rest compile",
 }
