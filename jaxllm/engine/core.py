@@ -12,12 +12,14 @@ while this one returns the outputs and schedules again; its sampler launches at 
 start of the next step, before the next model. The device runs the model meanwhile,
 so masks cost neither the device nor this thread.
 
-Speculative decoding (the executor's ``speculative_config``) runs synchronously: after
-a step is read back, the executor's proposer drafts tokens for the requests that
-decode next (``Request.spec_token_ids``), and the next step verifies them. Not for
-constrained requests (their masks would have to follow every draft), and not while
-more than ``disable_by_batch_size`` requests run, where verifying costs more than the
-drafts save.
+Speculative decoding (the executor's ``speculative_config``): a step that speculates
+reads the previous step back first, has the executor's proposer draft tokens for the
+requests that decode next (``Request.spec_token_ids``), launches the step that
+verifies them and reads it back before returning: synchronous, since the drafts need
+the tokens. spec_decode/policy.py decides per step which requests draft (none while
+too many run, or for those whose drafts were rarely accepted); a step with none runs
+as a plain async step. Constrained requests never draft (their masks would have to
+follow every draft).
 """
 from __future__ import annotations
 
@@ -49,10 +51,12 @@ class EngineCore:
         self.scheduler = scheduler
         self.executor = executor
         self.spec_config = getattr(executor, "speculative_config", None)
-        self.spec_stats = None
+        self.spec_stats = self.spec_policy = None
         if self.spec_config is not None:
             from jaxllm.spec_decode.metrics import SpecDecodingStats
+            from jaxllm.spec_decode.policy import spec_policy
             self.spec_stats = SpecDecodingStats(self.spec_config.num_speculative_tokens)
+            self.spec_policy = spec_policy(self.spec_config)
         self.async_scheduling = async_scheduling
         self.structured_output_manager = structured_output_manager
         self.seeds: dict[str, int] = {}     # request id -> its sampling seed
@@ -79,8 +83,12 @@ class EngineCore:
     def step(self) -> EngineCoreOutputs:
         previous, self._in_flight = self._in_flight, None
         outputs = EngineCoreOutputs()
-        if previous is not None and not self._can_schedule_ahead(previous[0]):
+        drafting = self._drafting()
+        if previous is not None and (drafting or not self._can_schedule_ahead(previous[0])):
             outputs, previous = self._update(*previous), None
+            drafting = self._drafting(again=True)      # those the update left running
+        if drafting:
+            self._propose(drafting)
         so = self.scheduler.schedule()
         constrained = self._constrained(so)
         # A sampler waiting for its bitmask launches once this step's inputs are ready,
@@ -94,37 +102,29 @@ class EngineCore:
             self._start_masks(*launched)           # after the previous step's tokens
         if launched is None and previous is None and self.scheduler.has_unfinished_requests():
             self._wait_for_grammars()
-        if launched is not None and self.async_scheduling and self.spec_config is None:
+        if launched is not None and self.async_scheduling and not drafting:
             self._in_flight = launched
         elif launched is not None:
             done = self._update(*launched)
             outputs.sampled += done.sampled
             outputs.prompt_logprobs.update(done.prompt_logprobs)
-            if self.spec_config is not None:
-                self._propose()
         return outputs
 
-    def _propose(self) -> None:
-        """Drafts for the running requests that decode next (see the module doc)."""
-        sched = self.scheduler
-        limit = self.spec_config.disable_by_batch_size or self._default_disable_by_batch_size()
-        if not sched.running or len(sched.running) > limit:
-            return
+    def _drafting(self, again: bool = False) -> list[Request]:
+        """The running requests that draft this step (spec_decode/policy.py)."""
+        if self.spec_policy is None:
+            return []
+        return self.spec_policy.drafting(self.scheduler.running, _may_speculate, again)
+
+    def _propose(self, reqs: list[Request]) -> None:
+        """Have the executor's proposer draft for `reqs` (see the module doc)."""
         k = self.spec_config.num_speculative_tokens
-        reqs = [r for r in sched.running
-                if r.num_computed_tokens == r.num_tokens - 1
-                and r.structured_output_request is None]
-        if not reqs:
-            return
-        tables = [sched.kv_cache_manager.get_block_table(r) for r in reqs]
+        tables = [self.scheduler.kv_cache_manager.get_block_table(r) for r in reqs]
         for req, drafts in zip(reqs, self.executor.propose_drafts(reqs, [k] * len(reqs),
                                                                    tables)):
             req.spec_token_ids = list(drafts)
-
-    @staticmethod
-    def _default_disable_by_batch_size() -> int:
-        from jaxllm.spec_decode.config import DEFAULT_DISABLE_BY_BATCH_SIZE
-        return DEFAULT_DISABLE_BY_BATCH_SIZE
+            if not drafts:
+                self.spec_policy.observe(req.request_id, 0)
 
     def _can_schedule_ahead(self, so: SchedulerOutput) -> bool:
         requests = self.scheduler.requests
@@ -179,10 +179,13 @@ class EngineCore:
         results, prompt_logprobs = self.executor.get_output(handle)
         tokens = {rid: [x.token_id for x in r] if isinstance(r, list) else r.token_id
                   for rid, r in results.items()}
-        if self.spec_stats is not None:
+        if self.spec_policy is not None:
             for r in so.scheduled:
                 if r.spec_token_ids and r.request_id in results:
-                    self.spec_stats.observe(len(r.spec_token_ids), len(results[r.request_id]) - 1)
+                    accepted = len(results[r.request_id]) - 1
+                    self.spec_stats.observe(len(r.spec_token_ids), accepted)
+                    self.spec_policy.observe(r.request_id, accepted)
+            self.spec_policy.forget(so.finished_request_ids)
         updated = self.scheduler.update_from_output(so, tokens)
         out = EngineCoreOutputs(prompt_logprobs=prompt_logprobs)
         for req in updated:
@@ -195,3 +198,10 @@ class EngineCore:
                 out.sampled.append((req, res))
         return out
 
+
+def _may_speculate(request: Request) -> bool:
+    """It decodes next (every known token but the newest computed, counting one in
+    flight as known), unconstrained."""
+    return (request.num_computed_tokens == request.num_tokens - 1
+            + request.num_output_placeholders
+            and request.structured_output_request is None)
