@@ -22,10 +22,16 @@ one engine core per server.
   times come from ``RequestOutput.metrics`` (``RequestMetrics``); they are the
   request's, shared by its samples.
 
+- Speculative decoding, with a ``speculative_config`` only (as vLLM): the counters
+  ``vllm:spec_decode_num_drafts``, ``_num_draft_tokens``, ``_num_accepted_tokens``
+  and ``_num_accepted_tokens_per_pos`` (label ``position``, 0..k-1), read from the
+  snapshot's ``spec_decoding`` (a copy of ``EngineCore.spec_stats``, attached by
+  ``core_proc.engine_stats``), and vLLM's "SpecDecoding metrics" log line.
+
 Not exported: ``vllm:time_per_output_token_seconds`` (vLLM deprecated it for
 ``vllm:inter_token_latency_seconds`` and hides it by default; its dashboard queries
 the new name), the deprecated ``vllm:gpu_*`` cache series, and series of features
-jaxllm lacks (LoRA, speculative decoding, sleep mode, KV connectors, multi-modal).
+jaxllm lacks (LoRA, sleep mode, KV connectors, multi-modal).
 
 ``jaxllm:`` series are those vLLM has no name for: the KV blocks free and in the pool
 (an exact leak check: every block back when idle), the structured-output mask and
@@ -99,6 +105,13 @@ _COUNTERS = (
      "Seconds compiling structured outputs' grammars (off the engine thread)."),
     ("grammars_compiled", "jaxllm:structured_output_grammars_compiled",
      "Structured outputs' grammars compiled (a cached one is not compiled again)."),
+)
+# (SpecDecodingStats field, metric name, help): vLLM's counters.
+_SPEC_COUNTERS = (
+    ("num_drafts", "vllm:spec_decode_num_drafts", "Number of spec decoding drafts."),
+    ("num_draft_tokens", "vllm:spec_decode_num_draft_tokens", "Number of draft tokens."),
+    ("num_accepted_tokens", "vllm:spec_decode_num_accepted_tokens",
+     "Number of accepted tokens."),
 )
 
 
@@ -288,6 +301,22 @@ class _StatsCollector:
                 family = cls(name, doc, labels=LABELS)
                 family.add_metric(values, float(getattr(stats, attr, 0)))
                 yield family
+        spec = getattr(stats, "spec_decoding", None)
+        if spec is not None:
+            yield from _spec_families(spec, values)
+
+
+def _spec_families(spec, values: list[str]):
+    for attr, name, doc in _SPEC_COUNTERS:
+        family = CounterMetricFamily(name, doc, labels=LABELS)
+        family.add_metric(values, float(getattr(spec, attr)))
+        yield family
+    family = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                 "Accepted tokens per draft position.",
+                                 labels=LABELS + ("position",))
+    for pos, count in enumerate(spec.num_accepted_tokens_per_pos):
+        family.add_metric(values + [str(pos)], float(count))
+    yield family
 
 
 class StatLogger:
@@ -299,6 +328,7 @@ class StatLogger:
         self.interval = interval
         self._last = (time.monotonic(), 0, 0)
         self._was_idle = True
+        self._last_spec = None      # the SpecDecodingStats of the previous log line
 
     async def run(self) -> None:
         while True:
@@ -326,5 +356,28 @@ class StatLogger:
                 f"KV cache usage: {100 * stats.kv_cache_usage:.1f}%, "
                 f"Prefix cache hit rate: {100 * hit_rate:.1f}%, "
                 f"Preemptions: {stats.num_preemptions_total}")
+        logger.info(line)
+        self._log_spec(getattr(stats, "spec_decoding", None), elapsed)
+        return line
+
+    def _log_spec(self, spec, elapsed: float) -> str | None:
+        """vLLM's "SpecDecoding metrics" line over the interval, when it drafted."""
+        last, self._last_spec = self._last_spec, spec
+        if spec is None:
+            return None
+        drafts = spec.num_drafts - (last.num_drafts if last else 0)
+        if drafts <= 0:
+            return None
+        drafted = spec.num_draft_tokens - (last.num_draft_tokens if last else 0)
+        accepted = spec.num_accepted_tokens - (last.num_accepted_tokens if last else 0)
+        per_pos = [n - (last.num_accepted_tokens_per_pos[i] if last else 0)
+                   for i, n in enumerate(spec.num_accepted_tokens_per_pos)]
+        line = (f"SpecDecoding metrics: Mean acceptance length: {1 + accepted / drafts:.2f}, "
+                f"Accepted throughput: {accepted / elapsed:.2f} tokens/s, "
+                f"Drafted throughput: {drafted / elapsed:.2f} tokens/s, "
+                f"Accepted: {accepted} tokens, Drafted: {drafted} tokens, "
+                "Per-position acceptance rate: "
+                f"{', '.join(f'{n / drafts:.3f}' for n in per_pos)}, "
+                f"Avg Draft acceptance rate: {100 * accepted / max(drafted, 1):.1f}%")
         logger.info(line)
         return line

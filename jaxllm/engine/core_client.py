@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from jaxllm.engine.core_proc import EngineInfo, apply_commands, run_engine_core
+from jaxllm.engine.core_proc import EngineInfo, apply_commands, engine_stats, run_engine_core
 from jaxllm.engine.output_wire import OutputDecoder
 
 logger = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ class InprocClient(EngineCoreClient):
         # The front end's copy: a Rust tokenizer used from two threads at once can
         # fail with "Already borrowed", and this thread decodes with the engine's.
         self.info = EngineInfo.of(engine, copy.deepcopy(engine.tokenizer))
-        self.stats = engine.get_stats()
+        self.stats = engine_stats(engine)
         self._cond = threading.Condition()
         self._commands: list[tuple] = []
         self._stopped = False
@@ -116,10 +116,10 @@ class InprocClient(EngineCoreClient):
             while (commands := self._wait_for_work()) is not None:
                 if commands:   # new requests show as waiting before a long step
                     added, _ = apply_commands(engine, commands)
-                    handler.on_added(added, engine.get_stats())
+                    handler.on_added(added, engine_stats(engine))
                 if engine.has_unfinished_requests():
                     outputs = engine.step()
-                    handler.on_outputs(outputs, engine.get_stats())
+                    handler.on_outputs(outputs, engine_stats(engine))
         except BaseException as e:  # noqa: BLE001 - any failure kills the engine
             logger.exception("engine thread died")
             handler.on_dead(e)

@@ -45,6 +45,17 @@ class EngineInfo:
                    engine.max_model_len, getattr(engine, "eos_token_id", None))
 
 
+def engine_stats(engine):
+    """``engine.get_stats()``; with speculative decoding on, with ``spec_decoding`` too:
+    a copy of the engine core's counters (``EngineCore.spec_stats``), as the snapshot
+    is read on another thread, or pickled, while the engine counts on."""
+    stats = engine.get_stats()
+    spec = getattr(getattr(engine, "engine_core", None), "spec_stats", None)
+    if spec is not None:
+        stats.spec_decoding = spec.snapshot()
+    return stats
+
+
 def apply_commands(engine, commands: list[tuple],
                    wrap_error: Callable[[Exception], Exception] = lambda e: e
                    ) -> tuple[list[tuple], list[str]]:
@@ -94,7 +105,7 @@ def run_engine_core(config, commands, outputs, setup=None, log_level=logging.INF
             setup(engine)
         seconds["engine_s"] = time.perf_counter() - t
         t = time.perf_counter()
-        outputs.send(("ready", EngineInfo.of(engine), engine.get_stats()))
+        outputs.send(("ready", EngineInfo.of(engine), engine_stats(engine)))
         seconds["ready_message_s"] = time.perf_counter() - t   # until the server reads it
         logger.info("engine core ready %.1f s after its spawn (%s)",
                     time.time() - (spawned_at or started),
@@ -136,14 +147,14 @@ class EngineCoreProc:
                 t0 = time.perf_counter()
                 if commands:   # acknowledged before a long step: bad requests fail at once
                     added, aborted = apply_commands(self.engine, commands, _picklable)
-                    self._send(("added", added, aborted, self.engine.get_stats()))
+                    self._send(("added", added, aborted, engine_stats(self.engine)))
                     seconds["commands"] += time.perf_counter() - t0
                 if self.engine.has_unfinished_requests():
                     t1 = time.perf_counter()
                     deltas = self.engine.step_deltas()
                     seconds["steps"] += time.perf_counter() - t1
                     self._steps += 1
-                    self._send(("outputs", deltas, self.engine.get_stats()))
+                    self._send(("outputs", deltas, engine_stats(self.engine)))
                     seconds["busy"] += time.perf_counter() - t0
         finally:
             self._pending.put(None)     # flush what is queued, then stop the sender
