@@ -62,15 +62,19 @@ class RMSNorm(nnx.Module):
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: ArchConfig, dtype, rngs: nnx.Rngs, quant=None, prefix=""):
-        e, q, k, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    def __init__(self, cfg: ArchConfig, dtype, rngs: nnx.Rngs, quant=None, prefix="",
+                 in_size: int | None = None):
+        """in_size: the q/k/v projections' input width (default the hidden size; an
+        EAGLE-3 head's layer takes 2E)."""
+        q, k, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        e = cfg.hidden_size if in_size is None else in_size
         hd = ("q_heads", "head_dim")
         self.q_proj = _linear(rngs, dtype, quant, prefix + "q_proj", (e,), (q, d),
                               ("embed",), hd)
         self.kv_proj = _linear(rngs, dtype, quant, prefix + "kv_proj", (e,), (2, k, d),
                                ("embed",), (None, "kv_heads", "head_dim"))
-        self.o_proj = _linear(rngs, dtype, quant, prefix + "o_proj", (q, d), (e,), hd,
-                              ("embed",))
+        self.o_proj = _linear(rngs, dtype, quant, prefix + "o_proj", (q, d),
+                              (cfg.hidden_size,), hd, ("embed",))
         if cfg.attention_bias:
             self.q_bias = _param(rngs, (q, d), dtype, ("q_heads", "head_dim"))
             self.kv_bias = _param(rngs, (2, k, d), dtype, (None, "kv_heads", "head_dim"))
@@ -151,18 +155,24 @@ class LlamaForCausalLM(nnx.Module):
                                   ("embed", "vocab"))
 
     def __call__(self, input_ids, positions, kv_caches, md: AttentionMetadata,
-                 spec: AttentionSpec):
+                 spec: AttentionSpec, aux_layers: tuple[int, ...] = ()):
         """input_ids, positions: i32[T]; kv_caches: list of (k, v) [K, NB, BS, D] per
-        layer. Returns (hidden [T, E], new kv_caches)."""
+        layer. Returns (hidden [T, E], new kv_caches); with `aux_layers` (EAGLE-3's
+        target layers) also [T, len(aux_layers) * E]: the residual stream entering
+        each of those layers, concatenated in their order (vLLM's aux hidden states)."""
         x = jnp.take(self.embed_tokens[...], input_ids, axis=0)
-        new_caches = []
+        new_caches, aux = [], {}
         # Layers unrolled in Python: each has its own weight arrays, so XLA never
         # slices a stacked weight per step (measured faster than lax.scan on GPU).
         for i, layer in enumerate(self.layers):
+            if i in aux_layers:
+                aux[i] = x
             with jax.named_scope(f"layer{i}"):
                 x, k_cache, v_cache = layer(x, positions, *kv_caches[i], md, spec)
             new_caches.append((k_cache, v_cache))
-        return self.norm(x), new_caches
+        if not aux_layers:
+            return self.norm(x), new_caches
+        return self.norm(x), new_caches, jnp.concatenate([aux[i] for i in aux_layers], -1)
 
     def compute_logits(self, hidden):
         """hidden: [S, E] -> float32 logits [S, V]."""
