@@ -21,10 +21,11 @@ class NgramDrafts:
         self.proposer = NgramProposer(spec_config)
 
     def propose(self, requests, max_drafts, block_tables) -> list[list[int]]:
-        return self.proposer.propose_batch([r.all_token_ids for r in requests], max_drafts)
+        return self.proposer.propose_batch([r.all_token_ids for r in requests], max_drafts,
+                                           [r.request_id for r in requests])
 
     def finish(self, request_ids) -> None:
-        pass
+        self.proposer.forget(request_ids)
 
 
 def build_proposer(executor, spec_config):
