@@ -177,8 +177,7 @@ def precompile(llm, groups: list[list[str]]) -> tuple[int, float]:
     t0 = time.perf_counter()
     # Lowering is Python under the GIL (this thread); each compile goes to a worker.
     with concurrent.futures.ThreadPoolExecutor(min(len(shapes), os.cpu_count() or 1)) as pool:
-        futures = [pool.submit(runner._step.lower(runner.state,
-                                                  np.zeros((b, t + 3), np.int32)).compile)
+        futures = [pool.submit(runner.lower_step(np.zeros((b, t + 3), np.int32)).compile)
                    for t, b in sorted(shapes)]
         for f in futures:
             f.result()

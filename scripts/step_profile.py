@@ -32,7 +32,7 @@ def step_arrays(runner, batch: int, ctx: int, q_len: int = 1):
     nblk = -(-(ctx + q_len) // bs)
     tokens = batch * q_len
     decode_only = q_len == 1
-    t, s = runner.plan.shape_for(tokens, batch, decode_only)
+    t, s, decode_only = runner.plan.shape_for(tokens, batch, decode_only)
     block_tables = np.zeros((s, runner.max_blocks_per_seq), np.int32)
     for i in range(batch):
         block_tables[i, :nblk] = 1 + i * nblk + np.arange(nblk)

@@ -26,12 +26,10 @@ already reach its length cap is not scheduled again. An EOS or stop string seen 
 costs one wasted token of compute; the scheduler is never wrong about KV, because
 every device step runs in launch order.
 
-Speculative decoding: a decoding request may carry draft tokens
-(``Request.spec_token_ids``, set by the engine core after the previous step). They are
-scheduled after its last token, with slots for them (and ``num_lookahead_tokens``
-more, where a draft model writes its own KV), and counted as computed;
-``update_from_output`` takes back the slots of the drafts the step rejected. Only
-synchronous engines speculate (the drafts depend on the tokens just read back).
+Speculation: a decoding request's drafts (``Request.spec_token_ids``, from the engine
+core) are scheduled after its token, with slots (and ``num_lookahead_tokens`` more for
+a draft model's own KV), counted as computed until ``update_from_output`` takes back
+the rejected ones' slots. Only synchronous steps carry drafts.
 
 Contract: every ``schedule()`` is followed by one ``update_from_output()`` for it, in
 order; at most one scheduled step may be waiting for its update when ``schedule()``

@@ -97,6 +97,11 @@ class PoolingRunner:
         on_step(rows done) is called as each step's vectors arrive."""
         return self.run_stream([token_lists], dims, normalize, on_step)
 
+    def lower_step(self, packed: np.ndarray):
+        """The step lowered for a packed batch of this shape (benchmarks compile every
+        shape ahead of a timed run)."""
+        return self._step.lower(self.state, packed)
+
     def run_stream(self, chunks: Iterable[list], dims: np.ndarray, normalize: np.ndarray,
                    on_step: Callable[[int], None] | None = None) -> np.ndarray:
         """`run` over token lists that arrive in chunks (N rows in all = len(dims)):

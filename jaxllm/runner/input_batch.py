@@ -93,6 +93,13 @@ def expand_spec_rows(scheduled) -> tuple[list, dict | None]:
     return rows, spec
 
 
+def output_tokens(rows, reqs) -> list:
+    """Each row's output tokens for the penalties: a verify row's include the drafts
+    before it."""
+    return [q.output_token_ids + r.spec_token_ids if r.spec_token_ids else q.output_token_ids
+            for q, r in zip(reqs, rows)]
+
+
 def prompt_targets(scheduled, requests, num_tokens: int):
     """i32[T]: each prompt token's successor, for chunks of prompt_logprobs
     requests; None when no scheduled chunk needs prompt logprobs."""

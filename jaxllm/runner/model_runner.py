@@ -275,9 +275,7 @@ class ModelRunner:
     def _sampling_metadata(self, scheduled, reqs, rows: int, fallback_seeds: dict):
         return SamplingMetadata.from_params(
             [q.sampling_params for q in reqs], [r.output_index for r in scheduled],
-            [q.prompt_token_ids for q in reqs],   # a verify row's penalties see the drafts
-            [q.output_token_ids + r.spec_token_ids if r.spec_token_ids else q.output_token_ids
-             for q, r in zip(reqs, scheduled)],
+            [q.prompt_token_ids for q in reqs], input_batch.output_tokens(scheduled, reqs),
             rows, self.arch.vocab_size,
             fallback_seeds=[fallback_seeds[q.request_id] for q in reqs],
             eos_token_ids=self._eos_ids())
