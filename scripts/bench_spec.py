@@ -75,7 +75,8 @@ def set_speculation(llm, proposer, policy: bool = True):
     elif policy:
         core.spec_policy = spec_policy(core.spec_config)
     else:      # every step drafts for every request
-        core.spec_policy = SpecPolicy(core.spec_config.num_speculative_tokens, 1 << 30, -1.0)
+        core.spec_policy = SpecPolicy(core.spec_config.num_speculative_tokens, 1 << 30,
+                                      cost=lambda batch: 1.0)
 
 
 def step_ms(llm, batch: int, prompt_len: int, steps: int, vocab: int, seed: int) -> float:
@@ -157,10 +158,13 @@ def main():
     tok_s, truth = decode1(llm, prompt, args.decode_tokens)
     res["decode1"]["plain"] = tok_s
     set_speculation(llm, Replay({tuple(prompt): prompt + truth}), policy=False)
+    before = llm.llm_engine.engine_core.spec_stats.snapshot()
     res["decode1"]["k4_replay"], out = decode1(llm, prompt, args.decode_tokens)
     res["decode1"]["k4_replay_identical"] = out == truth
     stats = llm.llm_engine.engine_core.spec_stats
-    res["decode1"]["replay_acceptance"] = stats.acceptance_rate
+    res["decode1"]["replay_accepted_of_drafted"] = [
+        stats.num_accepted_tokens - before.num_accepted_tokens,
+        stats.num_draft_tokens - before.num_draft_tokens]
     set_speculation(llm, Wrong(4, vocab), policy=True)
     res["decode1"]["k4_wrong_policy"], out = decode1(llm, prompt, args.decode_tokens)
     res["decode1"]["k4_wrong_identical"] = out == truth

@@ -20,6 +20,7 @@ from scipy.stats import chi2
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.runner import step_output
+from jaxllm.spec_decode.policy import SpecPolicy
 
 PROMPT = [17, 42, 99, 5, 61]
 TEMPERATURE, TOP_K, NUM = 0.9, 4, 4000
@@ -113,8 +114,9 @@ def setup(tiny_model):
     folder, hf = tiny_model("llama")
     llm = LLM(folder, **ENGINE, speculative_config={
         "method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 32})
-    proposer = UniformTopK(hf)
-    llm.llm_engine.executor.proposer = proposer
+    llm.llm_engine.executor.proposer = UniformTopK(hf)
+    # Every request drafts (the test is about the sampler, not when drafting pays).
+    llm.llm_engine.engine_core.spec_policy = SpecPolicy(2, 1 << 30, cost=lambda batch: 1.0)
     return llm, exact_joint(hf)
 
 
