@@ -139,3 +139,26 @@ def test_rejected_drafts_give_their_slots_back(target):
     assert seen and all(c == n - 1 + pending for c, n, pending in seen)
     stats = eng.engine_core.spec_stats
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == 0
+
+
+def test_no_compilation_after_warm_up(target, references):
+    """Verify steps are decode steps of the warm-up's buckets (up to max_num_seqs x
+    (k + 1) rows), so speculating compiles nothing after warm-up."""
+    import jax
+    ps, greedy_ref, _ = references["plain"]
+    llm = LLM(target, **{**ENGINE, "enforce_eager": False},
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    llm.llm_engine.executor.proposer = NoisyOracle(
+        {tuple(p): p + g[0][0] for p, g in zip(ps, greedy_ref)})
+    compiles = []
+    listener = lambda name, *a, **k: compiles.append(name) if "backend_compile" in name else None  # noqa: E731
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        mixed = [GREEDY, SamplingParams(temperature=0.7, top_k=5, seed=1, max_tokens=9),
+                 SamplingParams(temperature=1.0, max_tokens=7, logprobs=2)] * 3
+        assert generate(llm, ps) == greedy_ref
+        llm.generate([{"prompt_token_ids": p} for p in ps], mixed[:len(ps)], use_tqdm=False)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert compiles == []
+    assert llm.llm_engine.engine_core.spec_stats.num_accepted_tokens > 0
