@@ -29,6 +29,12 @@ the warm-up's dispatches then load them from disk, and the timed run compiles
 nothing, not even its one partial step. XLA compiles outside the GIL, so the shapes
 compile side by side instead of one after another.
 
+--profile REPS, after the timed run: each of its step shapes run bare REPS times on
+a device-resident input (the plan's device-only seconds: what the run would take
+if the host cost nothing), the tokenizer alone on up to 100,000 texts (host texts/s),
+the plan's padded fraction, and, where the runner uses cuDNN's attention, the
+commonest shape with the jnp attention instead (ms and the vectors' cosine).
+
 Prints each stage's seconds as it ends, one line per model, and writes
 $OUT/bench_embed.json (rewritten after each stage, so a run cut short keeps what it
 measured) when OUT is set. Needs no network: everything is made here.
@@ -36,6 +42,7 @@ measured) when OUT is set. Needs no network: everything is made here.
 from __future__ import annotations
 
 import argparse
+import collections
 import concurrent.futures
 import json
 import os
@@ -161,27 +168,93 @@ def bench_st(folder: str, dtype: str, texts: list[str], warm: list[str], batch_s
     return seconds, np.asarray(vectors, np.float32), device
 
 
-def precompile(llm, groups: list[list[str]]) -> tuple[int, float]:
-    """Compile every step shape the runner's plan gives for each group of texts into
-    the persistent cache, side by side. Token counts are word counts plus the
-    model's special tokens (each word is one token). Returns (shapes, seconds)."""
+def token_counts(llm, texts: list[str]) -> np.ndarray:
+    """Each text's token count: its words plus the model's special tokens (each word
+    is one token), without tokenizing."""
     from jaxllm.pooling.params import PoolingParams
-    engine = llm.llm_engine
-    runner = engine.runner
-    first = groups[0][0]
-    specials = len(engine.tokenize([first], PoolingParams())[0]) - len(first.split())
+    first = texts[0]
+    specials = len(llm.llm_engine.tokenize([first], PoolingParams())[0]) - len(first.split())
+    return np.fromiter((t.count(" ") + 1 + specials for t in texts), np.int32, len(texts))
+
+
+def precompile(llm, groups: list[list[str]], extra: tuple = ()) -> tuple[int, float]:
+    """Compile every step shape the runner's plan gives for each group of texts into
+    the persistent cache, side by side, and the (t, b, attention) steps in `extra`.
+    Returns (shapes, seconds)."""
+    runner = llm.llm_engine.runner
     shapes = set()
     for texts in groups:
-        lengths = np.fromiter((t.count(" ") + 1 + specials for t in texts), np.int32, len(texts))
-        shapes |= {(t, b) for _, t, b in runner.plan(lengths)}
+        shapes |= {(t, b, None) for _, t, b in runner.plan(token_counts(llm, texts))}
+    shapes |= set(extra)
     t0 = time.perf_counter()
     # Lowering is Python under the GIL (this thread); each compile goes to a worker.
     with concurrent.futures.ThreadPoolExecutor(min(len(shapes), os.cpu_count() or 1)) as pool:
-        futures = [pool.submit(runner.lower_step(np.zeros((b, t + 3), np.int32)).compile)
-                   for t, b in sorted(shapes)]
+        futures = [pool.submit(runner.lower_step(np.zeros((b, t + 3), np.int32), a).compile)
+                   for t, b, a in sorted(shapes, key=str)]
         for f in futures:
             f.result()
     return len(shapes), time.perf_counter() - t0
+
+
+def common_shape(llm, texts: list[str]) -> tuple[int, int]:
+    """The (T, B) of the timed run's most frequent step."""
+    plan = llm.llm_engine.runner.plan(token_counts(llm, texts))
+    counts = collections.Counter((t, b) for _, t, b in plan)
+    return counts.most_common(1)[0][0]
+
+
+def step_ms(runner, t: int, b: int, reps: int, attention: str | None = None):
+    """Device time of one bare step (rows of t - 3..t random tokens, device-resident
+    input, `reps` back to back) and its vectors."""
+    import jax
+    rng = np.random.default_rng(t * 7919 + b)
+    packed = np.zeros((b, t + 3), np.int32)
+    lengths = rng.integers(max(1, t - 3), t + 1, b)
+    packed[:, :t] = rng.integers(0, 1000, (b, t)) * (np.arange(t)[None, :] < lengths[:, None])
+    packed[:, -3], packed[:, -2], packed[:, -1] = lengths, runner.hidden_size, 1
+    fn, dev = runner.step_fn(attention), jax.device_put(packed)
+    out = fn(runner.state, dev)
+    out.block_until_ready()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        out = fn(runner.state, dev)
+    out.block_until_ready()
+    return (time.perf_counter() - t0) / reps * 1e3, np.asarray(out)
+
+
+def profile(llm, texts: list[str], reps: int) -> dict:
+    """Where the timed run's time goes: the device time of its plan's steps run bare
+    (each shape `reps` times), the host's tokenizing rate alone (serial, on up to
+    100,000 of the texts), the plan's padding, and the jnp attention against the
+    runner's on the commonest shape."""
+    from jaxllm.pooling.offline import CHUNK
+    from jaxllm.pooling.params import PoolingParams
+    runner = llm.llm_engine.runner
+    lengths = token_counts(llm, texts)
+    plan = runner.plan(lengths)
+    counts = collections.Counter((t, b) for _, t, b in plan)
+    ms = {shape: step_ms(runner, *shape, reps)[0] for shape in counts}
+    device_s = sum(ms[s] * c for s, c in counts.items()) / 1e3
+    sample = texts[:100000]
+    t0 = time.perf_counter()
+    for s in range(0, len(sample), CHUNK):
+        llm.llm_engine.tokenize(sample[s:s + CHUNK], PoolingParams())
+    tok_rate = len(sample) / (time.perf_counter() - t0)
+    (t, b), _ = counts.most_common(1)[0]
+    info = {"steps": len(plan), "padded_fraction": round(1 - float(lengths.sum()) / sum(
+                t_ * b_ for _, t_, b_ in plan), 4),
+            "device_only_s": round(device_s, 2),
+            "device_only_texts_per_s": round(len(texts) / device_s, 1),
+            "tokenize_only_texts_per_s": round(tok_rate, 1), "attention": runner.attention,
+            "step_ms": {f"{t_}x{b_}": round(v, 2) for (t_, b_), v in sorted(ms.items())}}
+    if runner.attention != "xla":
+        mine, a = step_ms(runner, t, b, reps)
+        jnp_ms, x = step_ms(runner, t, b, reps, "xla")
+        cos = (a * x).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(x, axis=1)
+        info.update(common_shape=f"{t}x{b}", common_shape_ms=round(mine, 2),
+                    common_shape_xla_attention_ms=round(jnp_ms, 2),
+                    attention_vs_xla_cosine_min=round(float(cos.min()), 5))
+    return info
 
 
 def bench_jaxllm(folder: str, dtype: str, texts: list[str], warm: list[str], args):
@@ -196,7 +269,10 @@ def bench_jaxllm(folder: str, dtype: str, texts: list[str], warm: list[str], arg
     llm = LLM(folder, **flags)
     load_s = time.perf_counter() - t0
     log(f"jaxllm loaded in {load_s:.1f} s")
-    shapes, compile_s = precompile(llm, [warm, texts])
+    extra = ()
+    if args.profile and llm.llm_engine.runner.attention != "xla":
+        extra = ((*common_shape(llm, texts), "xla"),)
+    shapes, compile_s = precompile(llm, [warm, texts], extra)
     log(f"jaxllm: {shapes} step shapes compiled in {compile_s:.1f} s")
     t0 = time.perf_counter()
     llm.embed(warm, use_tqdm=False)
@@ -207,13 +283,13 @@ def bench_jaxllm(folder: str, dtype: str, texts: list[str], warm: list[str], arg
     seconds = time.perf_counter() - t0
     log(f"jaxllm: {len(texts):,} texts in {seconds:.1f} s")
     check = np.stack([o.outputs.data for o in outs[:args.check]])
+    del outs
     runner = llm.llm_engine.runner
-    info = {"load_s": round(load_s, 1), "compile_s": round(compile_s, 1), "step_shapes": shapes,
+    info = {"attention": runner.attention,"load_s": round(load_s, 1), "compile_s": round(compile_s, 1), "step_shapes": shapes,
             "warm_up_s": round(warm_s, 1), "budget_tokens": runner.budget,
             "max_rows": runner.max_rows, "device": str(jax.devices()[0].device_kind),
             "jax": jax.__version__, "cache": compilation_cache.summary()}
-    del outs, llm
-    return seconds, check, info
+    return seconds, check, info, llm
 
 
 def run_model(name: str, args, rows: list[dict]) -> dict:
@@ -237,8 +313,14 @@ def run_model(name: str, args, rows: list[dict]) -> dict:
         row.update(st_num=st_num, st_batch_size=args.st_batch_size, st_device=device,
                    st_s=round(st_s, 2), st_texts_per_s=round(st_num / st_s, 1))
         save(rows)
-    jx_s, jx_check, info = bench_jaxllm(folder, args.dtype, texts, warm, args)
+    jx_s, jx_check, info, llm = bench_jaxllm(folder, args.dtype, texts, warm, args)
     row.update(jaxllm_s=round(jx_s, 2), jaxllm_texts_per_s=round(args.num / jx_s, 1), **info)
+    save(rows)
+    if args.profile:
+        t0 = time.perf_counter()
+        row["profile"] = prof = profile(llm, texts, args.profile)
+        log(f"jaxllm profile ({time.perf_counter() - t0:.1f} s): {json.dumps(prof)}")
+    del llm
     if st_vectors is not None:
         row["ratio"] = round(row["jaxllm_texts_per_s"] / row["st_texts_per_s"], 2)
         k = min(len(jx_check), len(st_vectors))
@@ -268,6 +350,10 @@ def main() -> int:
                    help="persistent XLA cache (default: a temp folder); a second run with "
                         "the same folder skips the compiles")
     p.add_argument("--check", type=int, default=2000, help="texts compared between the two")
+    p.add_argument("--profile", type=int, default=0, metavar="REPS",
+                   help="after the timed run, time each of its step shapes bare REPS times "
+                        "(device-only seconds), the tokenizer alone, and the jnp attention "
+                        "on the commonest shape")
     args = p.parse_args()
     names = list(MODELS) if args.model == "all" else [
         ALIASES.get(m, m) for m in args.model.split(",")]

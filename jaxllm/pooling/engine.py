@@ -101,9 +101,7 @@ class PoolingEngine:
         ids: list = [None] * len(prompts)
         if texts:
             raw = [p.lower() if self.info.do_lower_case else p for _, p in texts]
-            encoded = self.tokenizer(raw, add_special_tokens=True, return_attention_mask=False,
-                                     return_token_type_ids=False, verbose=False)["input_ids"]
-            for (i, _), e in zip(texts, encoded):
+            for (i, _), e in zip(texts, self._encode(raw)):
                 ids[i] = e
 
         def where(i: int) -> str:
@@ -127,6 +125,21 @@ class PoolingEngine:
                                  f"({where_i}). Please reduce the length of the input, or set "
                                  "truncate_prompt_tokens.")
         return ids
+
+    def _encode(self, texts: list[str]) -> list[list[int]]:
+        """Token ids with the model's special tokens. A fast tokenizer's Rust backend
+        is called directly when it is set as the transformers wrapper would set it (no
+        truncation or padding, special tokens split or not): the wrapper's per-text
+        Python work doubled the time of 32k short texts, and `encode_batch_fast`
+        skips the offsets nobody reads here."""
+        backend = getattr(self.tokenizer, "_tokenizer", None)
+        if (backend is None or backend.truncation is not None or backend.padding is not None
+                or backend.encode_special_tokens != getattr(self.tokenizer,
+                                                            "split_special_tokens", False)):
+            return self.tokenizer(texts, add_special_tokens=True, return_attention_mask=False,
+                                  return_token_type_ids=False, verbose=False)["input_ids"]
+        encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
+        return [e.ids for e in encode(texts, add_special_tokens=True)]
 
     def _given_ids(self, prompt, where: str) -> list[int]:
         if isinstance(prompt, dict) and set(prompt) == {"prompt_token_ids"}:

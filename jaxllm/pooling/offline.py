@@ -1,8 +1,8 @@
 """LLM.embed: vLLM's offline embedding call over the pooling engine.
 
 Texts are tokenized in chunks on a thread (the Rust tokenizer releases the GIL)
-while the runner's full steps run, so tokenizing a million texts hides behind the
-model; steps are formed across chunks (runner.run_stream), so only the run's end
+while the runner's full steps run, so tokenizing a million texts (and making their
+output objects) hides behind the model; steps are formed across chunks (runner.run_stream), so only the run's end
 has partial steps. `jaxllm embed` writes each chunk before the next (embed_chunks).
 """
 from __future__ import annotations
@@ -42,30 +42,36 @@ def embed(llm, prompts, pooling_params: PoolingParams | None = None,
         params = dataclasses.replace(params, truncate_prompt_tokens=truncate_prompt_tokens)
     engine.check_params(params)
     dims = params.dimensions or engine.info.hidden_size
-    all_ids: list = []
+    n = len(prompts)
+    vectors = np.empty((n, engine.runner.hidden_size), np.float32)    # the run fills it
+    outputs: list = []
+
+    def tokenize(start: int) -> list:
+        """A chunk's ids, and its outputs over views of `vectors` (made here, on the
+        thread, so a million of them cost no time after the last step)."""
+        chunk = prompts[start:start + CHUNK]
+        ids = engine.tokenize(chunk, params, "input", start)
+        outputs.extend(EmbeddingRequestOutput(
+            str(next(llm._counter)), EmbeddingOutput(vectors[start + i, :dims]), t, True,
+            p if isinstance(p, str) else None) for i, (t, p) in enumerate(zip(ids, chunk)))
+        return ids
 
     def token_chunks():       # the next chunk tokenizes on a thread while this one runs
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxllm-tok") as pool:
-            starts = range(0, len(prompts), CHUNK)
-            ahead = [pool.submit(engine.tokenize, prompts[s:s + CHUNK], params, "input", s)
-                     for s in starts[:1]]
-            for k, s in enumerate(starts):
-                ids = ahead[k].result()
+            starts = range(0, n, CHUNK)
+            ahead = pool.submit(tokenize, 0) if n else None
+            for k in range(len(starts)):
+                ids = ahead.result()
                 if k + 1 < len(starts):
-                    nxt = starts[k + 1]
-                    ahead.append(pool.submit(engine.tokenize, prompts[nxt:nxt + CHUNK], params,
-                                             "input", nxt))
-                all_ids.extend(ids)
+                    ahead = pool.submit(tokenize, starts[k + 1])
                 yield ids
 
     normalize = engine.info.normalize if params.normalize is None else params.normalize
-    with _progress(use_tqdm, len(prompts), "Embedded prompts") as bar:
-        vectors = engine.runner.run_stream(
-            token_chunks(), np.full(len(prompts), dims, np.int32),
-            np.full(len(prompts), normalize, bool), bar.update if bar else None)
-    return [EmbeddingRequestOutput(str(next(llm._counter)), EmbeddingOutput(vectors[i, :dims]),
-                                   all_ids[i], True, p if isinstance(p, str) else None)
-            for i, p in enumerate(prompts)]
+    with _progress(use_tqdm, n, "Embedded prompts") as bar:
+        engine.runner.run_stream(token_chunks(), np.full(n, dims, np.int32),
+                                 np.full(n, normalize, bool), bar.update if bar else None,
+                                 out=vectors)
+    return outputs
 
 
 def embed_chunks(engine, prompts: list, params: PoolingParams, bar=None, chunk: int = CHUNK,

@@ -1,10 +1,11 @@
 """The pooling model runner: token lists in, pooled float32 vectors out.
 
 Inputs are padded [B, T] buckets, not one packed ragged row. Grouped by length, each
-step's rows are near-equal in length (T buckets every 8 tokens up to 128), so padding
-costs little, and attention is a dense batched matmul that XLA runs well on a GPU; a
-packed step with segment ids would need an [N, N] mask over all its tokens (or a
-segment-aware kernel) to keep texts apart. A step fills the token budget
+step's rows are near-equal in length (T buckets every 4 tokens up to 128: texts of
+9-65 tokens pad 4% of their tokens, against 10% with buckets every 8), so padding
+costs little, and attention stays within a row (cuDNN's fused kernel on a GPU for
+the decoders, see decoder.py); a packed step with segment ids would need an [N, N]
+mask over all its tokens (or a segment-aware kernel) to keep texts apart. A step fills the token budget
 (max_num_batched_tokens, at most max_num_seqs rows); a (B, T) shape compiles once on
 first use. Rows join their bucket's next step as they arrive; a bucket's step
 launches once full, and the leftovers go at the end.
@@ -29,13 +30,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxllm.pooling.decoder import decoder_hidden, pick_attention
 from jaxllm.pooling.loading import LoadedPoolingModel
 
 
 def seq_buckets(max_len: int) -> list[int]:
-    """Row lengths a step is padded to: every 8 up to 128, every 32 up to 512, then
+    """Row lengths a step is padded to: every 4 up to 128, every 32 up to 512, then
     powers of two, the last one max_len."""
-    out = [t for t in range(8, 129, 8)] + [t for t in range(160, 513, 32)]
+    out = [t for t in range(4, 129, 4)] + [t for t in range(160, 513, 32)]
     t = 1024
     while t < max_len:
         out.append(t)
@@ -43,13 +45,13 @@ def seq_buckets(max_len: int) -> list[int]:
     return sorted({min(t, max_len) for t in out} | {max_len})
 
 
-def _pool_step(graphdef, state, packed, *, pooling: str, is_encoder: bool):
+def _pool_step(graphdef, state, packed, *, pooling: str, is_encoder: bool, attention: str):
     """packed: i32 [B, T + 3] = ids | length | dimensions | normalize -> f32 [B, E]."""
-    from jaxllm.pooling.decoder import decoder_hidden
     model = nnx.merge(graphdef, state)
     ids, lengths = packed[:, :-3], packed[:, -3]
     dims, normalize = packed[:, -2], packed[:, -1] > 0
-    hidden = (model(ids, lengths) if is_encoder else decoder_hidden(model, ids, lengths))
+    hidden = (model(ids, lengths) if is_encoder
+              else decoder_hidden(model, ids, lengths, attention))
     hidden = hidden.astype(jnp.float32)
     b, t, e = hidden.shape
     if pooling == "CLS":
@@ -70,12 +72,25 @@ class PoolingRunner:
     def __init__(self, loaded: LoadedPoolingModel, pooling_type: str, max_model_len: int,
                  max_num_batched_tokens: int, max_num_seqs: int):
         self.graphdef, self.state = loaded.graphdef, loaded.state
+        self.pooling_type, self.is_encoder = pooling_type, loaded.is_encoder
         self.hidden_size = loaded.arch.hidden_size
         self.max_model_len = max_model_len
         self.budget, self.max_rows = max_num_batched_tokens, max_num_seqs
         self.buckets = seq_buckets(max_model_len)
-        self._step = jax.jit(functools.partial(_pool_step, self.graphdef, pooling=pooling_type,
-                                               is_encoder=loaded.is_encoder))
+        # The encoder's attention is models/bert.py's own (jnp, bidirectional).
+        self.attention = "xla" if loaded.is_encoder else pick_attention(loaded.arch,
+                                                                         loaded.dtype)
+        self._steps: dict[str, Callable] = {}
+
+    def step_fn(self, attention: str | None = None) -> Callable:
+        """The jitted step, fn(state, packed) -> float32 [B, E], with this runner's
+        attention or `attention` ("cudnn" or "xla"; benchmarks compare the two)."""
+        attention = attention or self.attention
+        if attention not in self._steps:
+            self._steps[attention] = jax.jit(functools.partial(
+                _pool_step, self.graphdef, pooling=self.pooling_type,
+                is_encoder=self.is_encoder, attention=attention))
+        return self._steps[attention]
 
     def rows_for(self, t: int) -> int:
         """Rows of a full step padded to length t."""
@@ -97,19 +112,24 @@ class PoolingRunner:
         on_step(rows done) is called as each step's vectors arrive."""
         return self.run_stream([token_lists], dims, normalize, on_step)
 
-    def lower_step(self, packed: np.ndarray):
+    def lower_step(self, packed: np.ndarray, attention: str | None = None):
         """The step lowered for a packed batch of this shape (benchmarks compile every
         shape ahead of a timed run)."""
-        return self._step.lower(self.state, packed)
+        return self.step_fn(attention).lower(self.state, packed)
 
     def run_stream(self, chunks: Iterable[list], dims: np.ndarray, normalize: np.ndarray,
-                   on_step: Callable[[int], None] | None = None) -> np.ndarray:
+                   on_step: Callable[[int], None] | None = None,
+                   out: np.ndarray | None = None) -> np.ndarray:
         """`run` over token lists that arrive in chunks (N rows in all = len(dims)):
-        full steps launch while later chunks are still being tokenized."""
-        out = np.empty((len(dims), self.hidden_size), np.float32)
+        full steps launch while later chunks are still being tokenized. `out`
+        (float32 [N, E]) is filled if given, so callers can hand out views of its rows
+        before the run ends."""
+        if out is None:
+            out = np.empty((len(dims), self.hidden_size), np.float32)
         store = _TokenStore(len(dims))
         planner = _Planner(self)
         in_flight: collections.deque = collections.deque()
+        step = self.step_fn()
 
         def finish(keep: int) -> None:
             while len(in_flight) > keep:
@@ -125,7 +145,7 @@ class PoolingRunner:
                 packed[:len(rows), -3] = store.lengths[rows]
                 packed[:len(rows), -2] = dims[rows]
                 packed[:len(rows), -1] = normalize[rows]
-                in_flight.append((rows, self._step(self.state, packed)))
+                in_flight.append((rows, step(self.state, packed)))
                 finish(1)      # two steps in flight: pack the next while one runs
 
         for chunk in chunks:

@@ -120,7 +120,7 @@ def test_plan_covers_every_row_once_within_the_budget():
     runner = PoolingRunner.__new__(PoolingRunner)
     runner.budget, runner.max_rows = 512, 16
     runner.buckets = seq_buckets(300)
-    assert runner.buckets[:3] == [8, 16, 24] and runner.buckets[-1] == 300
+    assert runner.buckets[:3] == [4, 8, 12] and runner.buckets[-1] == 300
     lengths = np.random.default_rng(0).integers(1, 301, size=500).astype(np.int32)
     seen, partial = [], 0
     for rows, t, b in runner.plan(lengths):
