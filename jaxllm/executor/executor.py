@@ -20,6 +20,7 @@ from jaxllm.config import (EngineConfig, check_against_model, check_device_count
 from jaxllm.models.loader import load_model
 from jaxllm.parallel import distributed, mesh as mesh_lib
 from jaxllm.runner.model_runner import ModelRunner
+from jaxllm.spec_decode.proposers import build_proposer, target_hidden_layers
 
 logger = logging.getLogger(__name__)
 
@@ -40,14 +41,17 @@ class Executor:
         self.max_model_len = effective_max_model_len(config, self.arch)
         self.max_num_batched_tokens = _max_batched(config, self.max_model_len,
                                                    self.mesh.local_devices[0])
+        # Speculative decoding (one process only: followers would have to run it). An
+        # EAGLE head reads states the target's steps then return (proposers.py).
+        self.speculative_config = spec = getattr(config, "speculative_config", None)
         self.runner = ModelRunner(config, loaded, self.mesh, self.max_model_len,
-                                  self.max_num_batched_tokens)
+                                  self.max_num_batched_tokens,
+                                  target_hidden_layers(spec, self.arch))
         self.num_gpu_blocks = self.num_cpu_blocks = 0
         self.host_pool = None
-        # Speculative decoding: the proposer is built with the KV pool (a draft model's
-        # pool has the same blocks); one process only (followers would have to run it).
-        self.speculative_config = getattr(config, "speculative_config", None)
-        self.proposer = None
+        # Built (its weights loaded) before the pools are sized: a draft model's or
+        # EAGLE head's pool, of the target's block count, shares the memory.
+        self.proposer = None if spec is None else build_proposer(self, spec, loaded)
         self.leader = distributed.leader()   # multi-host: process 0 feeds the followers
 
     @property
@@ -56,14 +60,19 @@ class Executor:
 
     def initialize_kv_cache(self) -> None:
         """Size and allocate the KV pool (on a GPU: from the largest step's compiled
-        memory analysis) and the host swap pool."""
-        self.runner.initialize_kv_cache()
+        memory analysis) and the host swap pool; a proposer's pool of the same block
+        count, sized together (a block costs both pools' bytes, its weights come off
+        the budget)."""
+        own_pool = hasattr(self.proposer, "kv_bytes_per_block")
+        if own_pool:
+            self.runner.initialize_kv_cache(self.proposer.kv_bytes_per_block(),
+                                            self.proposer.weight_bytes())
+            self.proposer.initialize_kv_cache(self.runner.num_blocks)
+        else:
+            self.runner.initialize_kv_cache()
         self.num_gpu_blocks = self.runner.num_blocks
         self.num_cpu_blocks = _num_cpu_blocks(self.config, self.runner)
         self.host_pool = self.runner.host_pool(self.num_cpu_blocks)
-        if self.speculative_config is not None:
-            from jaxllm.spec_decode.proposers import build_proposer
-            self.proposer = build_proposer(self, self.speculative_config)
 
     @property
     def num_lookahead_tokens(self) -> int:
@@ -75,8 +84,12 @@ class Executor:
         return self.proposer.propose(requests, max_drafts, block_tables)
 
     def compile_or_warm_up_model(self) -> float:
-        """Every bucket's programs compiled or loaded; returns the seconds it took."""
-        return self.runner.warm_up()
+        """Every bucket's programs compiled or loaded (a draft model's or EAGLE head's
+        too); returns the seconds it took."""
+        seconds = self.runner.warm_up()
+        if hasattr(self.proposer, "warm_up"):
+            seconds += self.proposer.warm_up()
+        return seconds
 
     def execute_model(self, scheduler_output, requests: dict, seeds: dict,
                       defer_sample: bool = False, before_dispatch=None):
@@ -91,6 +104,7 @@ class Executor:
             if self.leader is not None:     # after what before_dispatch sent
                 self.leader.send("execute", scheduler_output, requests, seeds, defer_sample)
         if self.proposer is not None:
+            # Preempted ones include those swapped out (the draft's pool is not swapped).
             self.proposer.finish(scheduler_output.finished_request_ids
                                  + scheduler_output.preempted_request_ids)
         self.runner.swap_out(scheduler_output.blocks_to_swap_out, self.host_pool)
@@ -116,8 +130,16 @@ class Executor:
         return bitmask if self.leader is not None else self.runner.upload_bitmask(bitmask)
 
     def get_output(self, handle):
-        """Wait for a launched step: (id -> SampleResult, id -> prompt logprob rows)."""
-        return self.runner.get_output(handle)
+        """Wait for a launched step: (id -> SampleResult, id -> prompt logprob rows).
+        With an EAGLE head, the step's states go to it here: the engine core reads
+        every step back, in order (async ones after launching the next), and the head
+        must see every one to keep its KV current."""
+        results, prompt_logprobs = self.runner.get_output(handle)
+        if handle.hidden is not None and self.proposer is not None:
+            sampled = {rid: [x.token_id for x in r] if isinstance(r, list) else [r.token_id]
+                       for rid, r in results.items()}
+            self.proposer.ingest(handle.hidden, handle.scheduled, handle.requests, sampled)
+        return results, prompt_logprobs
 
 
 def prepare_devices(config: EngineConfig) -> None:

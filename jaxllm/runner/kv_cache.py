@@ -37,47 +37,62 @@ def bytes_per_block(arch: ArchConfig, block_size: int, dtype) -> int:
 
 @dataclass(frozen=True)
 class MemoryReport:
+    """`per_block`: the target pool's bytes per block; `draft_per_block` and
+    `draft_weights`: a draft model's or EAGLE head's (its pool has as many blocks)."""
     total: int
     weights: int
     activations: int
     per_block: int
     num_blocks: int
+    draft_per_block: int = 0
+    draft_weights: int = 0
 
     def describe(self, block_size: int) -> str:
         gib = 1 << 30
+        draft = (f" (draft: weights {self.draft_weights / gib:.2f} GiB, KV per token "
+                 f"{self.draft_per_block // block_size} bytes)" if self.draft_per_block else "")
         return (f"device memory {self.total / gib:.2f} GiB, weights {self.weights / gib:.2f} GiB, "
                 f"activation peak {self.activations / gib:.2f} GiB, KV per token "
-                f"{self.per_block // block_size} bytes, blocks available {self.num_blocks}")
+                f"{self.per_block // block_size} bytes{draft}, blocks available {self.num_blocks}")
 
 
 def plan_num_blocks(arch: ArchConfig, cache: CacheConfig, model_dtype, max_model_len: int,
                     weights_bytes: int, peak_bytes: int | None, device_limit: int | None,
-                    num_devices: int = 1, max_num_seqs: int | None = None) -> MemoryReport:
+                    num_devices: int = 1, max_num_seqs: int | None = None,
+                    draft_per_block: int = 0, draft_weights: int = 0) -> MemoryReport:
     """How many KV blocks fit. `device_limit`: the device's byte limit (None on CPU);
     `peak_bytes`: device bytes in use at the largest step's peak, the pool excepted
-    (see fit_to_device). Raises ConfigError, with the numbers and the knob to turn,
-    when one max_model_len sequence does not fit."""
+    (see fit_to_device). `draft_per_block`, `draft_weights`: a proposer's pool (of
+    the same block count) and weights (on the device beside the target's, outside
+    the target step's peak): each block costs both pools' bytes, and the weights
+    come off the budget (on CPU: both pools share cpu_kv_cache_bytes). Raises
+    ConfigError, with the numbers and the knob to turn, when one max_model_len
+    sequence does not fit."""
     dtype = cache_dtype(cache, model_dtype)
     # Per device: the pool is split by head over the devices (parallel/mesh.py), each
     # holding Hkv / N heads, or one when the devices outnumber the KV heads.
     heads = pool_kv_heads(arch.num_kv_heads, num_devices)
     per_block = bytes_per_block(arch, cache.block_size, dtype) * heads // (
         arch.num_kv_heads * num_devices)
+    both = per_block + draft_per_block
     if cache.num_gpu_blocks_override is not None:
         num_blocks = cache.num_gpu_blocks_override
         report = MemoryReport(device_limit or 0, weights_bytes, 0, per_block, num_blocks)
     elif device_limit is None:
-        num_blocks = cache.cpu_kv_cache_bytes // per_block
+        num_blocks = cache.cpu_kv_cache_bytes // both
         if max_num_seqs is not None:
             # No point holding more than max_num_seqs full sequences in host memory.
             full = max_num_seqs * -(-max_model_len // cache.block_size) + 1
             num_blocks = min(num_blocks, full)
         report = MemoryReport(cache.cpu_kv_cache_bytes, weights_bytes, 0, per_block, num_blocks)
     else:
-        budget = int(device_limit * cache.gpu_memory_utilization) - (peak_bytes or 0)
-        num_blocks = stable_block_count(max(budget, 0) // per_block)
+        budget = (int(device_limit * cache.gpu_memory_utilization) - (peak_bytes or 0)
+                  - draft_weights)
+        num_blocks = stable_block_count(max(budget, 0) // both)
         report = MemoryReport(device_limit, weights_bytes, (peak_bytes or 0) - weights_bytes,
                               per_block, num_blocks)
+    report = dataclasses.replace(report, draft_per_block=draft_per_block,
+                                 draft_weights=draft_weights)
     needed = -(-max_model_len // cache.block_size) + 1   # +1: the null block
     if report.num_blocks < needed:
         knob = ("raise cpu_kv_cache_bytes" if device_limit is None else
@@ -104,7 +119,8 @@ def stable_block_count(num_blocks: int) -> int:
 
 def fit_to_device(arch: ArchConfig, cache: CacheConfig, model_dtype, max_model_len: int,
                   weights_bytes: int, device_limit: int, activation_bytes: int,
-                  step_peak: Callable[[int], int | None], num_devices: int = 1) -> MemoryReport:
+                  step_peak: Callable[[int], int | None], num_devices: int = 1,
+                  draft_per_block: int = 0, draft_weights: int = 0) -> MemoryReport:
     """Size the pool from the largest step's compiled memory analysis, with no
     profiling run. The first guess spends `activation_bytes` (an upper estimate,
     `activation_bound`) beside the weights; `step_peak(num_blocks)` compiles (or
@@ -113,10 +129,13 @@ def fit_to_device(arch: ArchConfig, cache: CacheConfig, model_dtype, max_model_l
     `gpu_memory_utilization * device_limit` the pool shrinks to fit and the step
     compiles again (rare: the estimate is meant to be above what XLA allocates).
     Counts are rounded by `stable_block_count`, so restarts produce the same shapes.
+    `draft_*`: plan_num_blocks'; the target step's peak holds neither (the draft's own
+    steps run between the target's, their temporaries taken to be no larger).
     Raises plan_num_blocks's ConfigError when one max_model_len sequence does not fit."""
     def plan(peak):
         return plan_num_blocks(arch, cache, model_dtype, max_model_len, weights_bytes, peak,
-                               device_limit, num_devices=num_devices)
+                               device_limit, num_devices=num_devices,
+                               draft_per_block=draft_per_block, draft_weights=draft_weights)
 
     budget = int(device_limit * cache.gpu_memory_utilization)
     report = plan(weights_bytes + activation_bytes + HEADROOM)
@@ -125,7 +144,7 @@ def fit_to_device(arch: ArchConfig, cache: CacheConfig, model_dtype, max_model_l
         if peak is None:          # no memory analysis on this backend: keep the estimate
             return report
         rest = peak - report.num_blocks * report.per_block      # all but the pool
-        if peak + HEADROOM <= budget:
+        if peak + draft_weights + report.num_blocks * draft_per_block + HEADROOM <= budget:
             return dataclasses.replace(report, activations=rest - weights_bytes)
         report = plan(rest + HEADROOM)
     raise RuntimeError(f"the largest step's compiled peak grows with the KV pool "

@@ -20,9 +20,7 @@ import time
 from dataclasses import dataclass
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from jaxllm.config import EngineConfig
 from jaxllm.engine.scheduler import KVCacheLostError
@@ -32,43 +30,24 @@ from jaxllm.parallel import distributed, mesh as mesh_lib
 from jaxllm.runner import executable_store, input_batch, kv_cache
 from jaxllm.runner.buckets import BucketPlan
 from jaxllm.runner.compilation import CompilationManager, Program, first_requests_only
+from jaxllm.runner.step_fn import dummy_arrays
+# Module names of their own: tests spy on them (one call is one trace).
+from jaxllm.runner.step_fn import forward as _forward, sample_into as _sample_into
 from jaxllm.runner.step_inputs import StepInputs
 from jaxllm.runner.step_output import StepHandle, read_back, start_copies
-from jaxllm.runner.sampler import (SamplerOutput, SamplingMetadata, compute_logprobs,
-                                   dummy_metadata, sample, warm_up_variants)
-from jaxllm.sampling_params import MAX_LOGPROBS
+from jaxllm.runner.sampler import (SamplerOutput, SamplingMetadata, dummy_metadata,
+                                   warm_up_variants)
 
 logger = logging.getLogger(__name__)
 
 
-def _forward(graphdef, treedef, spec, leaves, kv_caches, token_buf, inputs: StepInputs,
-             target_ids=None):
-    """One step. input_ids < 0 name rows of token_buf i32[M] (the previous step's
-    samples). With target_ids i32[T] (each token's successor) it also returns the raw
-    prompt logprobs (logprob [T], rank [T], top ids [T, K], top logprobs [T, K])."""
-    input_ids, positions, md, logits_indices = inputs.unpack()
-    input_ids = jnp.where(input_ids < 0, token_buf[jnp.maximum(-input_ids - 1, 0)], input_ids)
-    # The step takes the parameters as a flat list: flattening an NNX State and
-    # hashing a static graphdef on every call cost milliseconds of host time per step.
-    model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
-    hidden, kv_caches = model(input_ids, positions, kv_caches, md, spec)
-    logits = model.compute_logits(hidden[logits_indices])
-    if target_ids is None:
-        return logits, kv_caches
-    prompt = compute_logprobs(model.compute_logits(hidden), target_ids, MAX_LOGPROBS)
-    return logits, kv_caches, prompt
-
-
-def _sample_into(logits, md, flags, token_buf, bitmask=None):
-    """Sample, and keep the sampled ids on the device for the next step's inputs."""
-    out = sample(logits, md, flags, bitmask)
-    return out, jax.lax.dynamic_update_slice(token_buf, out.token_ids, (0,))
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig, loaded: LoadedModel, mesh, max_model_len: int,
-                 max_num_batched_tokens: int):
+                 max_num_batched_tokens: int, hidden_layers: tuple[int, ...] | None = None):
+        """`hidden_layers`: None, or the states an EAGLE head reads, returned by every
+        step and kept with its StepHandle (step_fn.forward)."""
         self.config = config
+        self.hidden_layers = hidden_layers
         self.arch = loaded.arch
         self.graphdef, self.state = loaded.graphdef, loaded.state
         self.mesh = mesh
@@ -84,22 +63,17 @@ class ModelRunner:
             # Pallas on a CPU runs its kernels through the interpreter (tests).
             interpret=backend == "pallas" and jax.devices()[0].platform == "cpu")
         self.model_dtype = jax.tree.leaves(self.state)[0].dtype
-        self.kv_caches = None
+        self.kv_caches = self.last_hidden = None
         self.num_blocks = 0
         self._replicated = mesh_lib.replicated(mesh)
         self._token_buf = jax.device_put(np.zeros(self.plan.max_seqs, np.int32),
                                          self._replicated)
         self._prev_rows: dict[str, int] = {}   # request id -> its row in _token_buf
-        # TP: logits come back gathered (the sampler reads whole rows), the pool stays
-        # split by KV head.
         self._leaves, treedef = jax.tree.flatten(self.state)
-        self._step = jax.jit(functools.partial(_forward, self.graphdef, treedef, self.spec),
-                             donate_argnums=(1,),
-                             out_shardings=(self._replicated,
-                                            mesh_lib.kv_cache_sharding(mesh)))
+        forward = functools.partial(_forward, self.graphdef, treedef, self.spec, hidden_layers)
+        self._step = jax.jit(forward, donate_argnums=(1,), out_shardings=self._out_shardings())
         # Compiled on first use, for the rare steps that carry prompt_logprobs requests.
-        self._step_prompt = jax.jit(
-            functools.partial(_forward, self.graphdef, treedef, self.spec), donate_argnums=(1,))
+        self._step_prompt = jax.jit(forward, donate_argnums=(1,))
         self._sample = jax.jit(_sample_into, static_argnums=(2,))
         self.store = self._open_store(treedef)
         # The warm-up's compiled programs, called directly; anything else goes through
@@ -122,9 +96,17 @@ class ModelRunner:
                   executable_store.signature(self._leaves), repr(self.plan),
                   f"block_size={self.block_size} kv_dtype={kv_dtype} max_model_len="
                   f"{self.max_model_len} step donates (1,), out_shardings="
-                  f"{(self._replicated, mesh_lib.kv_cache_sharding(self.mesh))}"]
+                  f"{self._out_shardings()}"]
+        if self.hidden_layers is not None:      # (unchanged keys without EAGLE)
+            static.append(f"returns hidden_layers={self.hidden_layers}")
         return executable_store.ExecutableStore(self.config.compilation_cache_dir, self.mesh,
                                                 static)
+
+    def _out_shardings(self) -> tuple:
+        """The step's: logits whole on every device (the sampler reads whole rows),
+        the pool split by KV head, an EAGLE head's states whole."""
+        out = (self._replicated, mesh_lib.kv_cache_sharding(self.mesh))
+        return out + (self._replicated,) * (self.hidden_layers is not None)
 
     def _backend(self) -> str:
         backend = self.config.attention_backend
@@ -133,18 +115,22 @@ class ModelRunner:
         return backend
 
     # ------------------------------------------------------------ KV pool
-    def initialize_kv_cache(self) -> kv_cache.MemoryReport:
+    def initialize_kv_cache(self, draft_per_block: int = 0,
+                            draft_weights: int = 0) -> kv_cache.MemoryReport:
         """Size and allocate the pool. On a GPU: from the largest step's compiled
         memory analysis (kv_cache.fit_to_device), which only checks a size planned
         from `activation_bound`; so while that step compiles, the warm-up's other
         programs are lowered for the same pool and queued to compile (warm_up
-        collects them; a pool of another size makes them stale)."""
+        collects them; a pool of another size makes them stale). `draft_*`: a
+        proposer's pool bytes per block and weights, left room for (plan_num_blocks);
+        the proposer allocates its pool of self.num_blocks after."""
         cache_cfg = self.config.cache
         weights = kv_cache.device_bytes(self._leaves)
         limit = self.device_limit()
         dtype = kv_cache.cache_dtype(cache_cfg, self.model_dtype)
         sharding = mesh_lib.kv_cache_sharding(self.mesh, self.arch.num_kv_heads)
         t, s = self.plan.token_buckets[-1], self.plan.max_seqs
+        draft = dict(draft_per_block=draft_per_block, draft_weights=draft_weights)
 
         def step_peak(num_blocks: int) -> int | None:
             pool = kv_cache.abstract(self.arch, num_blocks, self.block_size, dtype, sharding,
@@ -161,11 +147,12 @@ class ModelRunner:
                 kv_cache.activation_bound(
                     self.arch, t, s, self.model_dtype, self.mesh.size,
                     gather_block_size=self.block_size * (self.spec.backend == "reference")),
-                step_peak, num_devices=self.mesh.size)
+                step_peak, num_devices=self.mesh.size, **draft)
         else:
             report = kv_cache.plan_num_blocks(
                 self.arch, cache_cfg, self.model_dtype, self.max_model_len, weights, None, None,
-                num_devices=self.mesh.size, max_num_seqs=self.config.scheduler.max_num_seqs)
+                num_devices=self.mesh.size, max_num_seqs=self.config.scheduler.max_num_seqs,
+                **draft)
         # Multi-host: one pool spans the processes, so all must size it alike.
         report = dataclasses.replace(report, num_blocks=distributed.agree_min(report.num_blocks))
         self.num_blocks = report.num_blocks
@@ -207,13 +194,17 @@ class ModelRunner:
         return args
 
     def launch_step(self, arrays: dict, decode_only: bool, prompt_targets=None):
+        """The step's logits (with prompt_targets: and its prompt logprobs); an EAGLE
+        head's states, when the runner returns them, are left in `last_hidden`."""
         if prompt_targets is not None:
             args = self._step_args(dict(arrays, prompt_targets=prompt_targets), decode_only)
-            logits, self.kv_caches, prompt = self._step_prompt(*args)
+            logits, self.kv_caches, prompt, *hidden = self._step_prompt(*args)
+            self.last_hidden = hidden[0] if hidden else None
             return logits, prompt
         key = ("step", len(arrays["input_ids"]), len(arrays["seq_lens"]), decode_only)
         args = self._step_args(arrays, decode_only)
-        logits, self.kv_caches = self._call(key, args, self._step, args)
+        logits, self.kv_caches, *hidden = self._call(key, args, self._step, args)
+        self.last_hidden = hidden[0] if hidden else None
         return logits
 
     def lower_step(self, arrays: dict, decode_only: bool):
@@ -267,7 +258,7 @@ class ModelRunner:
         md, flags = sampling or self._sampling_metadata(scheduled, reqs, rows, fallback_seeds)
         self.remember_rows(scheduled)     # where the next step's inputs find its tokens
         handle = StepHandle(scheduled, requests, None, flags.num_logprobs, prompt_out,
-                            pending=(logits, md, flags), spec=spec)
+                            pending=(logits, md, flags), spec=spec, hidden=self.last_hidden)
         if not defer_sample:
             self.sample_tokens(handle, None)
         return handle
@@ -309,12 +300,7 @@ class ModelRunner:
 
     # ------------------------------------------------------------ warm-up
     def _dummy_arrays(self, t: int, s: int) -> dict:
-        return dict(
-            input_ids=np.zeros(t, np.int32), positions=np.zeros(t, np.int32),
-            slot_mapping=np.full(t, -1, np.int32),
-            block_tables=np.zeros((s, self.max_blocks_per_seq), np.int32),
-            seq_lens=np.zeros(s, np.int32), query_start_loc=np.zeros(s + 1, np.int32),
-            logits_indices=np.zeros(s, np.int32))
+        return dummy_arrays(t, s, self.max_blocks_per_seq)
 
     def _step_program(self, t: int, s: int, decode_only: bool,
                       kv_caches=None) -> Program:

@@ -31,6 +31,7 @@ class StepHandle:
     prompt_out: tuple | None
     pending: tuple | None = None
     spec: dict | None = None    # input_batch.expand_spec_rows: id -> (first row, drafts)
+    hidden: Any = None          # [T, C] on the device: the states an EAGLE head reads
 
 
 def start_copies(handle: StepHandle) -> None:

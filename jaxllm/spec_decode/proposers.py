@@ -1,8 +1,13 @@
 """The executor's draft proposers behind one interface:
 
     propose(requests, max_drafts, block_tables) -> list[list[int]]
-    finish(request_ids) -> None      # finished or preempted: forget their state
+    finish(request_ids) -> None      # finished or preempted (swapped too): forget them
     num_lookahead_tokens             # slots past the step's that it writes KV into
+    kv_bytes_per_block(), weight_bytes(), initialize_kv_cache(num_blocks), warm_up()
+                                     # a model of its own (draft, EAGLE head): its pool
+                                     # has the target's block count, sized with it
+    ingest(target_hidden, scheduled, step_requests, sampled)
+                                     # EAGLE: every target step as it is read back
 
 `requests`: the running requests that decode next (all_token_ids: prompt and
 outputs; the target has KV for all but the last). `block_tables`: theirs, covering
@@ -28,15 +33,30 @@ class NgramDrafts:
         self.proposer.forget(request_ids)
 
 
-def build_proposer(executor, spec_config):
-    """The proposer `spec_config.method` names, for an executor whose KV pool is
-    allocated (a draft model's pool matches its block count)."""
+def target_hidden_layers(spec_config, target_arch) -> tuple[int, ...] | None:
+    """What the target's steps return for the proposer (ModelRunner's
+    hidden_layers): an EAGLE-3 head's target layers, () for EAGLE-1 (the final
+    hidden state), None for every other method (the step returns nothing more)."""
+    if spec_config is None or spec_config.method not in ("eagle", "eagle3"):
+        return None
+    import os
+
+    from jaxllm.models.eagle import eagle_config
+    from jaxllm.models.loader import read_hf_config
+    return eagle_config(read_hf_config(spec_config.model), spec_config.method, target_arch,
+                        os.path.join(spec_config.model, "config.json")).aux_layer_ids
+
+
+def build_proposer(executor, spec_config, target):
+    """The proposer `spec_config.method` names, before the KV pools are sized: a model
+    of its own has no pool until initialize_kv_cache(the target's block count).
+    `target`: the target's LoadedModel (an EAGLE head shares its embedding)."""
     if spec_config.method == "ngram":
         return NgramDrafts(spec_config)
+    args = (executor.mesh, executor.max_model_len, executor.max_num_batched_tokens)
     if spec_config.method == "draft_model":
         from jaxllm.spec_decode.draft_model import DraftModelProposer
-        return DraftModelProposer.from_config(
-            executor.config, spec_config, executor.arch, executor.runner.num_blocks,
-            executor.mesh, executor.max_model_len, executor.max_num_batched_tokens)
-    raise NotImplementedError(f"speculative_config method {spec_config.method!r} is not "
-                              "built yet")
+        return DraftModelProposer.from_config(executor.config, spec_config, executor.arch,
+                                              None, *args)
+    from jaxllm.spec_decode.eagle import EagleProposer
+    return EagleProposer.from_config(executor.config, spec_config, target, None, *args)

@@ -1,0 +1,60 @@
+"""The model runner's jitted functions: one model step, and sampling into the device's
+buffer of the last step's tokens.
+
+Letter legend: T padded tokens, S padded sequences, E hidden size, K top logprobs,
+M the largest sequence bucket.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxllm.runner.sampler import compute_logprobs, sample
+from jaxllm.runner.step_inputs import StepInputs
+from jaxllm.sampling_params import MAX_LOGPROBS
+
+
+def forward(graphdef, treedef, spec, hidden_layers, leaves, kv_caches, token_buf,
+            inputs: StepInputs, target_ids=None):
+    """One step: (logits [S, V], kv_caches), then with target_ids i32[T] (each token's
+    successor) the raw prompt logprobs (logprob [T], rank [T], top ids [T, K], top
+    logprobs [T, K]), then with `hidden_layers` not None (an EAGLE head drafts) the
+    states it reads, one row per input token: () the final hidden state [T, E] (after
+    the norm; EAGLE-1), else the residual streams entering those layers [T, n*E]
+    (EAGLE-3). input_ids < 0 name rows of token_buf i32[M] (the previous step's
+    samples)."""
+    input_ids, positions, md, logits_indices = inputs.unpack()
+    input_ids = jnp.where(input_ids < 0, token_buf[jnp.maximum(-input_ids - 1, 0)], input_ids)
+    # The step takes the parameters as a flat list: flattening an NNX State and
+    # hashing a static graphdef on every call cost milliseconds of host time per step.
+    model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+    if hidden_layers:
+        hidden, kv_caches, states = model(input_ids, positions, kv_caches, md, spec,
+                                          aux_layers=hidden_layers)
+    else:
+        hidden, kv_caches = model(input_ids, positions, kv_caches, md, spec)
+        states = hidden
+    out = (model.compute_logits(hidden[logits_indices]), kv_caches)
+    if target_ids is not None:
+        out += (compute_logprobs(model.compute_logits(hidden), target_ids, MAX_LOGPROBS),)
+    if hidden_layers is not None:
+        out += (states,)
+    return out
+
+
+def sample_into(logits, md, flags, token_buf, bitmask=None):
+    """Sample, and keep the sampled ids on the device for the next step's inputs."""
+    out = sample(logits, md, flags, bitmask)
+    return out, jax.lax.dynamic_update_slice(token_buf, out.token_ids, (0,))
+
+
+def dummy_arrays(t: int, s: int, max_blocks_per_seq: int) -> dict:
+    """Padding inputs of one step shape: no KV slot written, no sequence read."""
+    return dict(
+        input_ids=np.zeros(t, np.int32), positions=np.zeros(t, np.int32),
+        slot_mapping=np.full(t, -1, np.int32),
+        block_tables=np.zeros((s, max_blocks_per_seq), np.int32),
+        seq_lens=np.zeros(s, np.int32), query_start_loc=np.zeros(s + 1, np.int32),
+        logits_indices=np.zeros(s, np.int32))
