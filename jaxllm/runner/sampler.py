@@ -49,30 +49,53 @@ class SamplerFlags:
     use_bitmask: bool = False
 
 
+# The per-row scalars of SamplingMetadata.rows, by column: f32 ones by their bits,
+# the seed's two u32 words by theirs.
+_COLUMNS = {"temperature": (0, np.float32), "top_p": (1, np.float32),
+            "min_p": (2, np.float32), "presence_penalty": (3, np.float32),
+            "frequency_penalty": (4, np.float32), "repetition_penalty": (5, np.float32),
+            "top_k": (6, np.int32), "output_index": (7, np.int32)}
+_SEED_COLUMNS = slice(8, 10)
+NUM_COLUMNS = 10
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class SamplingMetadata:
     """Per-row sampling inputs for S rows; a pytree of arrays (numpy or jax).
 
-    seeds: u32[S, 2], the request seed's low and high 32-bit words.
-    output_index: i32[S], tokens the request has generated so far.
+    rows: i32[S, NUM_COLUMNS], every per-row scalar in one array (read through the
+    properties below), so a sampled step uploads one buffer. Six separate ones
+    (temperature, top_p, top_k, min_p, seeds, output_index) each cost a host-to-device
+    transfer per step, which greedy steps do not pay (their program reads none).
     prompt_tokens / output_tokens / blocked_tokens: i32[S, Lp|Lo|Lb], padded with
     -1; only read when ``SamplerFlags.use_penalties``. blocked_tokens are banned
     this step (stop tokens while a request is below its min_tokens).
     """
 
-    temperature: jax.Array  # f32[S], 0 = greedy
-    top_p: jax.Array  # f32[S], 1 = off
-    top_k: jax.Array  # i32[S], 0 = off
-    min_p: jax.Array  # f32[S], 0 = off
-    presence_penalty: jax.Array  # f32[S]
-    frequency_penalty: jax.Array  # f32[S]
-    repetition_penalty: jax.Array  # f32[S]
-    seeds: jax.Array  # u32[S, 2]
-    output_index: jax.Array  # i32[S]
+    rows: jax.Array  # i32[S, NUM_COLUMNS]
     prompt_tokens: jax.Array  # i32[S, Lp]
     output_tokens: jax.Array  # i32[S, Lo]
     blocked_tokens: jax.Array  # i32[S, Lb]
+
+    def _column(self, name: str):
+        i, dtype = _COLUMNS[name]
+        return _bitcast(self.rows[:, i], dtype)
+
+    temperature = property(lambda self: self._column("temperature"))  # f32[S], 0 = greedy
+    top_p = property(lambda self: self._column("top_p"))  # f32[S], 1 = off
+    top_k = property(lambda self: self._column("top_k"))  # i32[S], 0 = off
+    min_p = property(lambda self: self._column("min_p"))  # f32[S], 0 = off
+    presence_penalty = property(lambda self: self._column("presence_penalty"))  # f32[S]
+    frequency_penalty = property(lambda self: self._column("frequency_penalty"))  # f32[S]
+    repetition_penalty = property(lambda self: self._column("repetition_penalty"))  # f32[S]
+    # i32[S], the tokens the request has generated so far
+    output_index = property(lambda self: self._column("output_index"))
+
+    @property
+    def seeds(self):
+        """u32[S, 2], the request seed's low and high 32-bit words."""
+        return _bitcast(self.rows[:, _SEED_COLUMNS], np.uint32)
 
     @classmethod
     def from_params(
@@ -99,7 +122,7 @@ class SamplingMetadata:
             raise ValueError(f"{n} requests do not fit in pad_to_rows={s}")
         greedy = np.array([p.is_greedy for p in params] + [True] * (s - n))
         temperature = _pad_f32([0.0 if p.is_greedy else p.temperature for p in params], s, 0.0)
-        md = cls(
+        columns = dict(
             temperature=temperature,
             top_p=_pad_f32([p.top_p for p in params], s, 1.0),
             top_k=_pad_i32([min(p.top_k, vocab_size) for p in params], s, 0),
@@ -107,8 +130,13 @@ class SamplingMetadata:
             presence_penalty=_pad_f32([p.presence_penalty for p in params], s, 0.0),
             frequency_penalty=_pad_f32([p.frequency_penalty for p in params], s, 0.0),
             repetition_penalty=_pad_f32([p.repetition_penalty for p in params], s, 1.0),
-            seeds=_row_seeds(params, s, fallback_seeds),
-            output_index=_pad_i32(list(output_indices), s, 0),
+            output_index=_pad_i32(list(output_indices), s, 0))
+        rows = np.empty((s, NUM_COLUMNS), np.int32)
+        for name, (i, _) in _COLUMNS.items():
+            rows[:, i] = columns[name].view(np.int32)
+        rows[:, _SEED_COLUMNS] = _row_seeds(params, s, fallback_seeds).view(np.int32)
+        md = cls(
+            rows=rows,
             prompt_tokens=_pad_token_lists(_penalty_rows(params, prompt_token_lists), s),
             output_tokens=_pad_token_lists(_penalty_rows(params, output_token_lists), s),
             blocked_tokens=_pad_token_lists(
@@ -244,6 +272,13 @@ def _token_counts(tokens: jax.Array, vocab: int) -> jax.Array:
     index = jnp.where(tokens >= 0, tokens, vocab)
     counts = jnp.zeros((tokens.shape[0], vocab), jnp.int32)
     return counts.at[rows, index].add(1, mode="drop")
+
+
+def _bitcast(x, dtype):
+    """x's 32-bit words read as `dtype`: a numpy view on the host, a bitcast in a jit."""
+    if isinstance(x, np.ndarray):
+        return x.view(dtype)
+    return jax.lax.bitcast_convert_type(x, dtype)
 
 
 # ---- host-side helpers for SamplingMetadata.from_params (numpy only) ----

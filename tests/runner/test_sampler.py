@@ -3,6 +3,8 @@
 Legend: S rows, V vocab, K top logprobs, N draws.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -295,6 +297,23 @@ def test_from_params_pads_rows_and_sets_flags():
     md3, flags3 = _build(pen, rows=8, prompts=[[1] * 100, [2], []], outputs=[[3] * 3, [], []])
     assert flags3.use_penalties and md3.prompt_tokens.shape == (8, 128)
     assert md3.output_tokens.shape == (8, 4) and (md3.prompt_tokens[1:] == -1).all()
+
+
+@pytest.mark.parametrize("params", [
+    [SamplingParams(temperature=0.8, top_p=0.95, top_k=50, seed=1)] * 8,
+    [SamplingParams(temperature=0.7, min_p=0.1), SamplingParams(temperature=0.0)],
+    [SamplingParams(temperature=1.0, seed=3)]])
+def test_sampled_batch_reads_one_metadata_array(params):
+    """Without penalties the program reads the logits and one metadata array (the
+    jit drops the arguments it does not read): each more would be one more
+    host-to-device transfer in every sampled step, which greedy steps do not pay."""
+    assert _num_program_args(*_build(params)) == 2
+    assert _num_program_args(*_build([SamplingParams(temperature=0.0)])) == 1
+
+
+def _num_program_args(md, flags) -> int:
+    text = sample_jit.lower(jnp.asarray(_logits(8)), md, flags).as_text()
+    return re.search(r"func\.func public @main\((.*?)\) ->", text, re.S).group(1).count("%arg")
 
 
 def test_unseeded_rows_use_fallback_seeds():
