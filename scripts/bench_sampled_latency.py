@@ -90,12 +90,13 @@ def sampler_alone(runner, vocab: int, n: int = 100) -> dict:
         program = runner.compilation.programs.get(("sample", 8, flags))
         if program is None:            # compiling in the background (a CPU start)
             continue
+        token_buf = jax.device_put(np.zeros(runner.plan.max_seqs, np.int32))  # its shape
         for where, meta in (("numpy_md", md), ("device_md", jax.device_put(md))):
             launch, ready = [], []
             for _ in range(n):
                 jax.block_until_ready(logits)
                 t0 = time.perf_counter()
-                res = program(logits, meta, runner._token_buf)
+                res = program(logits, meta, token_buf)
                 t1 = time.perf_counter()
                 jax.block_until_ready(res)
                 launch.append(t1 - t0)
