@@ -17,8 +17,8 @@ reads the previous step back first, has the executor's proposer draft tokens for
 requests that decode next (``Request.spec_token_ids``), launches the step that
 verifies them and reads it back before returning: synchronous, since the drafts need
 the tokens. spec_decode/policy.py decides per step which requests draft (none while
-too many run, or for those whose drafts were rarely accepted); a step with none runs
-as a plain async step. Constrained requests never draft (their masks would have to
+too many run, or for those whose drafts were rarely accepted); a step with none, or
+whose proposer drafted nothing, runs as a plain async step. Constrained requests never draft (their masks would have to
 follow every draft).
 """
 from __future__ import annotations
@@ -89,6 +89,8 @@ class EngineCore:
             drafting = self._drafting(again=True)      # those the update left running
         if drafting:
             self._propose(drafting)
+            # No draft after all (n-gram found no match): this step runs async.
+            drafting = [r for r in drafting if r.spec_token_ids]
         so = self.scheduler.schedule()
         constrained = self._constrained(so)
         # A sampler waiting for its bitmask launches once this step's inputs are ready,
