@@ -12,8 +12,10 @@ launches once full, and the leftovers go at the end.
 
 Each step is one host-to-device array (ids, lengths, dimensions and the normalize
 flag packed as int32 [B, T + 3]) and one device-to-host array (float32 [B, E]):
-pooling, the Matryoshka cut and normalization run on the device. Two steps are in
-flight, so the host packs step i + 1 while the device runs step i.
+pooling, the Matryoshka cut and normalization run on the device. Three steps are in
+flight: the host packs step i + 2 while the device runs step i with i + 1 queued, so
+a host pause shorter than a step (a new chunk's tokens copied in, the tokenizer
+thread holding the GIL) leaves the device busy.
 
 Letter legend: B rows, T tokens, E hidden, N texts.
 """
@@ -146,7 +148,7 @@ class PoolingRunner:
                 packed[:len(rows), -2] = dims[rows]
                 packed[:len(rows), -1] = normalize[rows]
                 in_flight.append((rows, step(self.state, packed)))
-                finish(1)      # two steps in flight: pack the next while one runs
+                finish(2)
 
         for chunk in chunks:
             rows = store.add(chunk)

@@ -5,6 +5,8 @@ A small token budget (256) and 8 rows a step make each batch span several length
 buckets, full and partial steps."""
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import pytest
 from embed_models import texts
@@ -138,3 +140,23 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(llms):
     assert cut.prompt_token_ids == full[-20:]
     again = llm.embed({"prompt_token_ids": full[-20:]}, use_tqdm=False)[0]
     np.testing.assert_array_equal(cut.outputs.data, again.outputs.data)
+
+
+@pytest.mark.parametrize("name", ["bert", "xlmr", "qwen3"])
+def test_direct_tokenizing_equals_the_transformers_call(name, llms):
+    """The engine calls the Rust tokenizer itself (engine._encode); the ids must be
+    the transformers wrapper's, special-token spellings in the text included, and a
+    tokenizer with its own truncation set goes through the wrapper."""
+    engine = llms(name).llm_engine
+    tok = engine.tokenizer
+    inputs = texts(40, seed=21) + ["[SEP] <s> </s> <|endoftext|> [CLS] mid", " lead", ""]
+    want = tok(inputs, add_special_tokens=True)["input_ids"]
+    assert engine._encode(inputs) == want
+    tok._tokenizer.enable_truncation(5)     # the wrapper lifts it; a direct call would cut
+    try:
+        assert engine._encode(inputs) == want
+    finally:
+        tok._tokenizer.no_truncation()
+    assert gc.isenabled()
+    llms(name).embed(inputs[:5], use_tqdm=False)
+    assert gc.isenabled()           # LLM.embed pauses the collector and turns it back on
