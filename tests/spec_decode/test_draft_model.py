@@ -15,7 +15,21 @@ from jaxllm.parallel.mesh import make_mesh
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.spec_decode.config import SpeculativeConfig
 from jaxllm.spec_decode.draft_model import DraftModelProposer
-from conftest import make_hf_config
+
+
+def _root_conftest():
+    """tests/conftest.py by its path: the name `conftest` may be another folder's
+    (tests/server/conftest.py) once the whole suite is collected."""
+    import importlib.util
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location(
+        "jaxllm_tests_root_conftest", Path(__file__).parents[1] / "conftest.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+make_hf_config = _root_conftest().make_hf_config
 
 BUDGET = 16            # the draft runner's max_num_batched_tokens: a 40-token prompt is chunked
 MAX_MODEL_LEN = 128
