@@ -173,6 +173,9 @@ class EngineConfig:
                       ("auto", "pallas", "reference"))
         object.__setattr__(self, "speculative_config",
                            SpeculativeConfig.from_value(self.speculative_config))
+        if self.speculative_config is not None and self.parallel.num_processes > 1:
+            raise ConfigError("speculative_config: not supported across several processes "
+                              f"(num_processes={self.parallel.num_processes}); drop one")
 
     def replace(self, **sections) -> "EngineConfig":
         return dataclasses.replace(self, **sections)

@@ -200,3 +200,12 @@ def test_config_file_key_yaml_and_toml(tmp_path):
         build_config(str(bad))
     assert "unknown key 'num_speculative_tokenz'" in str(e.value)
     assert str(bad) in str(e.value) and "did you mean 'num_speculative_tokens'?" in str(e.value)
+
+
+def test_speculation_across_processes_is_refused_in_one_line():
+    from jaxllm.config import ConfigError, engine_config_from_flat
+    with pytest.raises(ConfigError, match="several processes") as e:
+        engine_config_from_flat(num_processes=2, process_id=0, coordinator_address="h:1",
+                                speculative_config={"method": "ngram",
+                                                    "num_speculative_tokens": 2})
+    assert "\n" not in str(e.value)
