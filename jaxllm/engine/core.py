@@ -89,8 +89,6 @@ class EngineCore:
             drafting = self._drafting(again=True)      # those the update left running
         if drafting:
             self._propose(drafting)
-            # No draft after all (n-gram found no match): this step runs async.
-            drafting = [r for r in drafting if r.spec_token_ids]
         so = self.scheduler.schedule()
         constrained = self._constrained(so)
         # A sampler waiting for its bitmask launches once this step's inputs are ready,
@@ -104,7 +102,9 @@ class EngineCore:
             self._start_masks(*launched)           # after the previous step's tokens
         if launched is None and previous is None and self.scheduler.has_unfinished_requests():
             self._wait_for_grammars()
-        if launched is not None and self.async_scheduling and not drafting:
+        # A step runs async unless it verifies drafts (none: n-gram found no match, or
+        # the drafts are a request's left from a step that had no room for it).
+        if launched is not None and self.async_scheduling and not _verifies(so):
             self._in_flight = launched
         elif launched is not None:
             done = self._update(*launched)
@@ -207,3 +207,7 @@ def _may_speculate(request: Request) -> bool:
     return (request.num_computed_tokens == request.num_tokens - 1
             + request.num_output_placeholders
             and request.structured_output_request is None)
+
+
+def _verifies(so: SchedulerOutput) -> bool:
+    return any(r.spec_token_ids for r in so.scheduled)

@@ -270,6 +270,7 @@ class Scheduler:
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.num_preemptions_total += 1
+        request.spec_token_ids = []     # drafted for KV it no longer has
         out.preempted_request_ids.append(request.request_id)
         if self.preemption_mode == "swap":
             pairs = self.kv_cache_manager.swap_out(request)
