@@ -12,14 +12,14 @@ while this one returns the outputs and schedules again; its sampler launches at 
 start of the next step, before the next model. The device runs the model meanwhile,
 so masks cost neither the device nor this thread.
 
-Speculative decoding (the executor's ``speculative_config``): a step that speculates
-reads the previous step back first, has the executor's proposer draft tokens for the
-requests that decode next (``Request.spec_token_ids``), launches the step that
-verifies them and reads it back before returning: synchronous, since the drafts need
-the tokens. spec_decode/policy.py decides per step which requests draft (none while
-too many run, or for those whose drafts were rarely accepted); a step with none, or
-whose proposer drafted nothing, runs as a plain async step. Constrained requests never draft (their masks would have to
-follow every draft).
+Speculative decoding (the executor's ``speculative_config``): a step that drafts reads
+the previous step back first (the drafts need its tokens) and has the executor's
+proposer draft for the requests that decode next (``Request.spec_token_ids``);
+spec_decode/policy.py decides which requests draft (none while too many run, or for
+those whose drafts were rarely accepted). A step that verifies drafts is read back
+before step() returns; any other step, one whose proposer drafted nothing included,
+runs async. Constrained requests never draft (their masks would have to follow every
+draft).
 """
 from __future__ import annotations
 
