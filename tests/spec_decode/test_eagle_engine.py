@@ -86,8 +86,10 @@ def target_states(loaded, tokens, layers):
                  AttentionSpec(sm_scale=loaded.arch.head_dim ** -0.5))[0]
 
 
-@pytest.mark.parametrize("variant", CHECKED)
-@pytest.mark.parametrize("method", ["eagle3", "eagle"])
+# EAGLE-1 differs from EAGLE-3 in the head, not in the engine's bookkeeping, which
+# the preemption case exercises: it runs with EAGLE-3 only (CI time).
+@pytest.mark.parametrize("method, variant", [("eagle3", "chunked"), ("eagle3", "preempt"),
+                                             ("eagle", "chunked")])
 def test_output_identical_and_drafts_are_the_heads(target, heads, references, method,
                                                    variant):
     ps, greedy_ref, sampled_ref = references[variant]

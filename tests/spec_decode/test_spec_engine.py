@@ -93,8 +93,11 @@ def sampled_params(llm, ps):
     return SamplingParams(n=2, temperature=0, max_tokens=24, ignore_eos=True, stop=[stop])
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
-@pytest.mark.parametrize("method", ["ngram", "oracle", "draft_model"])
+# Prefix caching off changes the KV manager, not how drafts are verified: checked with
+# n-gram only (CI time).
+@pytest.mark.parametrize("method, variant", [
+    (m, v) for m in ("ngram", "oracle", "draft_model") for v in VARIANTS
+    if v != "no-prefix-cache" or m == "ngram"])
 def test_output_identical_to_speculation_off(target, references, method, variant):
     ps, greedy_ref, sampled_ref = references[variant]
     assert any(c[2] == "stop" for o in sampled_ref for c in o)     # a stop string ends some
