@@ -63,8 +63,7 @@ def max_rows(config) -> int:
     seqs, spec = config.scheduler.max_num_seqs, getattr(config, "speculative_config", None)
     if spec is None:
         return seqs
-    from jaxllm.spec_decode.config import DEFAULT_DISABLE_BY_BATCH_SIZE
-    limit = spec.disable_by_batch_size or DEFAULT_DISABLE_BY_BATCH_SIZE
+    limit = spec.effective_disable_by_batch_size
     return max(seqs, min(seqs, limit) * (1 + spec.num_speculative_tokens))
 
 
