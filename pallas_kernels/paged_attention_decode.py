@@ -52,6 +52,20 @@ def default_k_splits(num_seqs, num_kv_heads, max_steps):
     return max(1, min(want, max_steps // 2))
 
 
+def default_dot_dtype(q_dtype, kv_dtype):
+    """The dtype both dots run in: f16 for fp8 KV under a 16-bit query, else q's.
+
+    Triton on sm90 widens e4m3 to f16 with one packed ``cvt.rn.f16x2.e4m3x2`` per two
+    values, but to bf16 with that and a ``cvt.bf16.f16`` per value: 1.5 conversions per
+    KV element on the conversion pipe (16 results per clock per SM), which bounded the
+    kernel at B=64 ctx 2048 to the bf16 KV time (0.133 against 0.131 ms). f16 holds
+    every e4m3 value exactly and rounds the query finer than bf16 does; the query is
+    scaled by sm_scale * log2(e) first, so f16's range (65504) is not the limit."""
+    if common.is_fp8(kv_dtype) and jnp.dtype(q_dtype).itemsize == 2:
+        return jnp.dtype(jnp.float16)
+    return jnp.dtype(q_dtype)
+
+
 def default_settings(dp: int, bs: int, kv_itemsize: int) -> tuple[int, int]:
     """(blocks_per_step, num_stages): the tuned 64 keys x 2 stages, within the
     shared-memory budget (common.fit_kv_pipeline)."""
@@ -60,12 +74,13 @@ def default_settings(dp: int, bs: int, kv_itemsize: int) -> tuple[int, int]:
 
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "sliding_window", "k_scale", "v_scale", "num_q_heads", "blocks_per_step",
-    "k_splits", "num_warps", "num_stages", "interpret"))
+    "k_splits", "num_warps", "num_stages", "per_block", "dot_dtype", "interpret"))
 def paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, *, sm_scale,
                            sliding_window=None, k_scale=1.0, v_scale=1.0, num_q_heads=None,
                            blocks_per_step=None, k_splits=None, num_warps=4, num_stages=None,
-                           interpret=False):
-    """Same contract as ``ref_paged_attention_decode``; the rest are kernel settings.
+                           per_block=False, dot_dtype=None, interpret=False):
+    """Same contract as ``ref_paged_attention_decode``; the rest are kernel settings
+    (``per_block``: common.tile_slots; ``dot_dtype``: default_dot_dtype).
     With ``num_q_heads`` the kernel reads the query rows in place (no slice copy)."""
     num_seqs, q_stride, d = q.shape
     hq = num_q_heads or q_stride
@@ -79,10 +94,15 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, *, sm_sc
     tile = blocks_per_step * bs
     max_steps = common.cdiv(block_tables.shape[1] * bs, tile)
     ns = k_splits or default_k_splits(num_seqs, hkv, max_steps)
+    dot_dtype = jnp.dtype(default_dot_dtype(q.dtype, k_cache.dtype) if dot_dtype is None
+                          else dot_dtype)
+    # A query cast for the dots takes sm_scale * log2(e) along (see default_dot_dtype).
+    q_scale = sm_scale * common.LOG2E if dot_dtype != q.dtype else None
     kernel = functools.partial(
         _decode_kernel, hq=hq, q_stride=q_stride, g=g, gp=gp, d=d, dp=dp, bs=bs, tile=tile,
-        num_splits=ns, window=sliding_window, scale2=sm_scale * k_scale * common.LOG2E,
-        v_scale=v_scale)
+        num_splits=ns, window=sliding_window, v_scale=v_scale, per_block=per_block,
+        dot_dtype=dot_dtype, q_scale=q_scale,
+        scale2=k_scale * (1.0 if q_scale else sm_scale * common.LOG2E))
     part_dtype = jnp.float32 if ns > 1 else q.dtype
     pool_spec = pl.BlockSpec((None, nb * bs, d), lambda s, h, k: (h, 0, 0))
     full = lambda x: pl.BlockSpec(x.shape, lambda s, h, k: (0,) * x.ndim)  # noqa: E731
@@ -125,13 +145,16 @@ def combine_splits(o, lse):
 
 
 def _decode_kernel(bt_ref, lens_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, hq, q_stride, g,
-                   gp, d, dp, bs, tile, num_splits, window, scale2, v_scale):
+                   gp, d, dp, bs, tile, num_splits, window, scale2, v_scale, per_block,
+                   dot_dtype, q_scale):
     s, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     kvlen = lens_ref[s]
     head = h * g + jnp.minimum(jnp.arange(gp), g - 1)
     rows = s * hq + head
     row_ok = jnp.arange(gp) < g
     q = common.load_rows(q_ref, s * q_stride + head, d, dp, row_ok)
+    if q_scale is not None:
+        q = (q.astype(jnp.float32) * q_scale).astype(dot_dtype)
 
     lo = 0 if window is None else jnp.maximum(kvlen - window, 0)
     first = lax.div(lo, tile) if window is not None else 0
@@ -148,13 +171,13 @@ def _decode_kernel(bt_ref, lens_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, hq,
             return ok if window is None else ok & (kpos >= lo)
         _, kvalid, k, v = common.kv_tile(bt_ref, k_ref, v_ref, s, i * tile, tile=tile,
                                          block_size=bs, d=d, dp=dp, kv_mask_fn=kv_mask,
-                                         dtype=q.dtype)
+                                         dtype=q.dtype, per_block=per_block)
         mask = jnp.broadcast_to(kvalid[None, :], (gp, tile))
         return common.softmax_step(q, k, v, mask, carry, scale2)
 
     carry = common.unmasked_loop(bt_ref, k_ref, v_ref, s, start, full_end, q,
                                  common.init_carry(gp, dp), tile=tile, block_size=bs, d=d,
-                                 dp=dp, scale2=scale2)
+                                 dp=dp, scale2=scale2, per_block=per_block)
     m, l, acc = lax.fori_loop(full_end, end, masked_step, carry)
 
     l_safe = jnp.where(l == 0.0, 1.0, l)

@@ -42,6 +42,16 @@ def test_decode_lowers(cfg):
     assert "triton" in lower_for_cuda(fn, *args)
 
 
+@pytest.mark.parametrize("settings", [dict(blocks_per_step=8, per_block=True),
+                                      dict(blocks_per_step=16, num_stages=3),
+                                      dict(dot_dtype=BF16)], ids=str)
+def test_fp8_decode_settings_lower(settings):
+    """The fp8 KV settings the kernel sweep tries (f16 dots unless dot_dtype says)."""
+    args = _shapes(64, 64, 32, 8, 128, 16, FP8)[:5]
+    fn = functools.partial(paged_attention_decode, sm_scale=0.1, **settings)
+    assert "triton" in lower_for_cuda(fn, *args)
+
+
 @pytest.mark.parametrize("cfg", CONFIGS, ids=str)
 def test_ragged_lowers(cfg):
     hq, hkv, d, bs, kv_dtype, window, settings = cfg

@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import pytest
 
 from kernel_cases import FP8, assert_close, make_case, run
-from pallas_kernels.paged_attention_decode import (combine_splits, paged_attention_decode,
+from pallas_kernels.paged_attention_decode import (combine_splits, default_dot_dtype,
+                                                   paged_attention_decode,
                                                    ref_paged_attention_decode)
 
 # Context lengths from 1 token to several blocks, partial last blocks, a padding row.
@@ -79,3 +80,30 @@ def test_num_q_heads_reads_the_queries_in_place_from_a_fused_array():
                                 k_splits=2, interpret=True), fused, *rest)
     assert_close(got, want)
     assert_close(ref_paged_attention_decode(fused, *rest, sm_scale=0.3, num_q_heads=8), want)
+
+
+def test_fp8_kv_under_bf16_queries_runs_the_dots_in_f16():
+    assert default_dot_dtype(jnp.bfloat16, FP8) == jnp.float16
+    assert default_dot_dtype(jnp.float32, FP8) == jnp.float32     # f32 stays exact
+    assert default_dot_dtype(jnp.bfloat16, jnp.bfloat16) == jnp.bfloat16
+    c = _decode_case(5, hq=8, hkv=2, d=64, bs=16, dtype=jnp.bfloat16, kv_dtype=FP8,
+                     scale=0.5)
+    kw = dict(sm_scale=0.3, k_scale=0.5, v_scale=0.5)
+    want = ref_paged_attention_decode(*_args(c), **kw)
+    for settings in (dict(k_splits=2), dict(blocks_per_step=1, per_block=True)):
+        out = run(functools.partial(paged_attention_decode, interpret=True, **kw, **settings),
+                  *_args(c))
+        assert out.dtype == jnp.bfloat16
+        assert_close(out, want, rtol=2e-2)
+
+
+def test_f16_dots_keep_queries_past_the_f16_range():
+    """Queries of 1e5 (beyond f16's 65504) reach the f16 dot scaled by sm_scale * log2(e)
+    and give the reference's (sharply peaked) attention, not inf or NaN."""
+    c = _decode_case(6, hq=4, hkv=2, d=64, bs=16, dtype=jnp.bfloat16, kv_dtype=FP8)
+    q = (c.q.astype(jnp.float32) * 1e5).astype(jnp.bfloat16)
+    args = (q, *_args(c)[1:])
+    kw = dict(sm_scale=0.1)
+    out = run(functools.partial(paged_attention_decode, interpret=True, k_splits=2, **kw),
+              *args)
+    assert_close(out, ref_paged_attention_decode(*args, **kw), rtol=2e-2)
