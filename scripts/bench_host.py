@@ -15,6 +15,8 @@ the CPU.
 from __future__ import annotations
 
 import argparse
+import json
+import collections
 import functools
 import os
 import subprocess
@@ -25,6 +27,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))      # bench_structured
 
 TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
         "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -33,34 +36,66 @@ TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_siz
         "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2}
 
 
-def fake_device(runner, device_ms: float):
-    """Replace the runner's device work by a stream that takes device_ms per step."""
-    from jaxllm.runner.step_output import SampleResult
-    from jaxllm.runner.sampler import SamplingMetadata
-    free = [0.0]
+class FakeDevice:
+    """The runner's device launches replaced: the model step (`launch_step`) packs and
+    uploads its inputs as the real one does and takes device_ms on a stream that runs
+    steps in order, like a GPU's; the sampler (`sample_step`) makes up a token per row,
+    for a constrained row one its grammar bitmask allows (chosen at random, as a model
+    with dummy weights samples). So everything else of a step runs for real on the
+    host: scheduling, input preparation, sampling metadata, the grammar masks, reading
+    back, output processing. `fake_s`: this class's own host time (choosing allowed
+    tokens), to subtract."""
 
-    class Handle:
-        pass
+    def __init__(self, runner, device_ms: float):
+        from jaxllm.runner import step_output
+        self.runner, self.device_ms = runner, device_ms
+        self.read_back = step_output.read_back
+        self.free = 0.0
+        self.done: collections.deque[float] = collections.deque()
+        self.fake_s = 0.0
+        self.rng = np.random.default_rng(0)
+        runner.launch_step, runner.sample_step = self.launch_step, self.sample_step
+        runner.get_output = self.get_output
 
-    def execute_model(so, requests, seeds):
-        arrays, _, rows = runner.prepare_inputs(so.scheduled)
-        runner.remember_rows(so.scheduled)
-        reqs = [requests[r.request_id] for r in so.scheduled]
-        SamplingMetadata.from_params(
-            [q.sampling_params for q in reqs], [r.output_index for r in so.scheduled],
-            [q.prompt_token_ids for q in reqs], [q.output_token_ids for q in reqs], rows,
-            runner.arch.vocab_size, fallback_seeds=[seeds[q.request_id] for q in reqs],
-            eos_token_ids=(2,))
-        h = Handle()
-        h.scheduled = so.scheduled
-        h.done = free[0] = max(time.perf_counter(), free[0]) + device_ms / 1000
-        return h
+    def launch_step(self, arrays: dict, decode_only: bool, prompt_targets=None):
+        from jaxllm.runner.step_inputs import StepInputs
+        StepInputs.pack(arrays, decode_only, None)           # the host-to-device copy
+        self.free = max(time.perf_counter(), self.free) + self.device_ms / 1000
+        self.done.append(self.free)
+        logits = np.empty((len(arrays["seq_lens"]), 0), np.float32)   # only .shape is read
+        return logits if prompt_targets is None else (logits, None)
 
-    def get_output(h):
-        time.sleep(max(0.0, h.done - time.perf_counter()))
-        return {r.request_id: SampleResult(300 + i % 500, -0.5, 1)
-                for i, r in enumerate(h.scheduled) if r.do_sample}, {}
-    runner.execute_model, runner.get_output = execute_model, get_output
+    def sample_step(self, logits, md, flags, bitmask=None):
+        import jax
+        from jaxllm.runner.sampler import SamplerOutput
+        s = logits.shape[0]
+        tokens = 300 + np.arange(s, dtype=np.int32) % 500
+        if bitmask is not None:
+            t0 = time.perf_counter()
+            self._allowed_tokens(np.asarray(bitmask), tokens)
+            self.fake_s += time.perf_counter() - t0
+        k = 20 if flags.num_logprobs else 1
+        out = (tokens, np.full(s, -0.5, np.float32), np.zeros((s, k), np.int32),
+               np.zeros((s, k), np.float32), np.ones(s, np.int32))
+        return SamplerOutput(*(jax.device_put(x) for x in out))
+
+    def _allowed_tokens(self, bitmask: np.ndarray, tokens: np.ndarray) -> None:
+        """A random allowed token for each constrained row (one not all ones)."""
+        for row in np.flatnonzero((bitmask != -1).any(axis=1)):
+            words = np.flatnonzero(bitmask[row])
+            if not len(words):
+                continue
+            w = int(words[self.rng.integers(len(words))])
+            bits = [b for b in range(32) if (int(bitmask[row, w]) >> b) & 1]
+            tokens[row] = 32 * w + bits[self.rng.integers(len(bits))]
+
+    def get_output(self, handle):
+        time.sleep(max(0.0, self.done.popleft() - time.perf_counter()))
+        return self.read_back(handle)
+
+
+def fake_device(runner, device_ms: float) -> FakeDevice:
+    return FakeDevice(runner, device_ms)
 
 
 def fake_engine_device(engine, device_ms: float):
@@ -78,10 +113,16 @@ def main():
     ap.add_argument("--serve-engine", choices=("thread", "process", "both"), default="both",
                     help="--serve over the in-thread engine, the engine process, or both")
     ap.add_argument("--skip-offline", action="store_true", help="only the --serve part")
+    ap.add_argument("--kinds", default="FINAL_ONLY,CUMULATIVE",
+                    help="the offline runs' output kinds, comma-separated")
+    ap.add_argument("--structured", type=float, default=0.0, metavar="FRACTION",
+                    help="this fraction of the requests (spread evenly) with a JSON schema")
+    ap.add_argument("--phases", action="store_true",
+                    help="time the host phases of a step (per step, over the offline runs)")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="cProfile the offline runs; print the top N functions by own time")
     args = ap.parse_args()
-    import json
-    from jaxllm import LLM, SamplingParams
-    from jaxllm.sampling_params import RequestOutputKind
+    from jaxllm import LLM
     folder = tempfile.mkdtemp()
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(TINY, f)
@@ -89,24 +130,12 @@ def main():
               max_num_seqs=args.batch, max_num_batched_tokens=4096, enforce_eager=True,
               num_gpu_blocks_override=20000)
     engine = llm.llm_engine
-    fake_device(engine.runner, args.device_ms)
-    rng = np.random.default_rng(0)
-    prompts = [{"prompt_token_ids": rng.integers(100, 1000, 64).tolist()}
-               for _ in range(args.requests)]
-    for kind in () if args.skip_offline else (RequestOutputKind.FINAL_ONLY,
-                                              RequestOutputKind.CUMULATIVE):
-        params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True,
-                                output_kind=kind)
-        steps, t0 = 0, time.perf_counter()
-        for i, p in enumerate(prompts):
-            engine.add_request(f"{kind.name}-{i}", p, params)
-        while engine.has_unfinished_requests():
-            engine.step()
-            steps += 1
-        t = time.perf_counter() - t0
-        print(f"offline, {kind.name} outputs: {t:.2f} s, {1000 * t / steps:.2f} ms per step "
-              f"({steps} steps; the device alone: {args.device_ms} ms), "
-              f"{args.requests * args.output_len / t:.0f} out tok/s", flush=True)
+    device = fake_device(engine.runner, args.device_ms)
+    if args.structured:
+        use_real_vocabulary(engine)
+    phases = time_phases(engine) if args.phases else None
+    if not args.skip_offline:
+        offline(engine, device, args, phases)
     if not args.serve:
         return
     from jaxllm.engine.async_llm import AsyncLLM
@@ -117,6 +146,120 @@ def main():
         serve(lambda: AsyncLLM.from_config(engine.config, multiprocess=True, setup=setup),
               engine.config, folder,
               args, "engine process")
+
+
+def use_real_vocabulary(engine) -> None:
+    """Grammar masks over a real BPE vocabulary (the default model's, SmolLM2's 49k),
+    masks as wide as the model's: the dummy folder's placeholder tokenizer has no
+    byte-level tokens for JSON."""
+    from jaxllm.structured_output.backend_guidance import make_tokenizer
+    from jaxllm.tokenizer import get_tokenizer
+    tok = get_tokenizer(None)
+    som = engine.engine_core.structured_output_manager
+    som.set_tokenizer(make_tokenizer(tok, engine.arch.vocab_size, engine.eos_token_id))
+
+
+def request_params(args, kind) -> list:
+    """Each request's SamplingParams: plain (greedy, ignore_eos), or for every
+    1/structured-th a JSON schema longer than output_len."""
+    from jaxllm import SamplingParams
+    from jaxllm.sampling_params import StructuredOutputsParams
+    from bench_structured import SCHEMA      # at least 24 records: longer than output_len
+    plain = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True,
+                           output_kind=kind)
+    constrained = SamplingParams(temperature=0, max_tokens=args.output_len, output_kind=kind,
+                                 structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    f = args.structured
+    return [constrained if int((i + 1) * f) > int(i * f) else plain
+            for i in range(args.requests)]
+
+
+PHASES = (("scheduler", "schedule"), ("scheduler", "update_from_output"),
+          ("runner", "prepare_inputs"), ("runner", "_sampling_metadata"),
+          ("runner", "launch_step"), ("runner", "sample_step"), ("runner", "get_output"),
+          ("output_processor", "process_outputs"), ("structured", "has_constrained"),
+          ("structured", "start_bitmask"), ("structured", "bitmask"))
+
+
+def time_phases(engine) -> dict[str, float]:
+    """Wrap the step's phases (PHASES) with timers; phase -> seconds so far. A
+    phase's time includes the phases it calls (get_output: the wait for the device)."""
+    owners = {"scheduler": engine.scheduler, "runner": engine.runner,
+              "output_processor": engine.output_processor,
+              "structured": engine.engine_core.structured_output_manager}
+    seconds: dict[str, float] = {}
+
+    def timed(name, fn):
+        def wrapper(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - t0
+        return wrapper
+    for owner, method in PHASES:
+        obj = owners[owner]
+        setattr(obj, method, timed(method, getattr(obj, method)))
+    return seconds
+
+
+def gc_timer() -> list[float]:
+    """[seconds spent in Python's garbage collector from now on]."""
+    import gc
+    total, start = [0.0], [0.0]
+
+    def callback(phase, info):
+        if phase == "start":
+            start[0] = time.perf_counter()
+        else:
+            total[0] += time.perf_counter() - start[0]
+    gc.callbacks.append(callback)
+    return total
+
+
+def offline(engine, device: FakeDevice, args, phases: dict | None = None) -> None:
+    """LLMEngine.step until done, per output kind: ms per step (mean, and the median
+    step, which at --requests 2 x --batch is a step of --batch decoding rows)."""
+    import cProfile
+    import pstats
+    from jaxllm.sampling_params import RequestOutputKind
+    rng = np.random.default_rng(0)
+    prompts = [{"prompt_token_ids": rng.integers(100, 1000, 64).tolist()}
+               for _ in range(args.requests)]
+    profile = cProfile.Profile() if args.profile else None
+    gc_s = gc_timer()
+    for name in args.kinds.split(","):
+        kind = RequestOutputKind[name]
+        fake0, gc0, times = device.fake_s, gc_s[0], []
+        cpu0 = time.thread_time()
+        if phases is not None:
+            phases.clear()
+        t0 = time.perf_counter()
+        for i, (p, params) in enumerate(zip(prompts, request_params(args, kind))):
+            engine.add_request(f"{kind.name}-{i}", p, params)
+        if profile:
+            profile.enable()
+        while engine.has_unfinished_requests():
+            t = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t)
+        if profile:
+            profile.disable()
+        t = time.perf_counter() - t0 - (device.fake_s - fake0)
+        cpu = time.thread_time() - cpu0 - (device.fake_s - fake0)
+        print(f"offline, {kind.name} outputs{f', {args.structured:g} structured' if args.structured else ''}: "
+              f"{t:.2f} s, {1000 * t / len(times):.2f} ms per step, median step "
+              f"{1000 * float(np.median(times)):.2f} ms, engine thread CPU "
+              f"{1000 * cpu / len(times):.2f} ms per step ({len(times)} steps; the device alone: "
+              f"{args.device_ms} ms; the fake's own {1000 * (device.fake_s - fake0) / len(times):.2f}"
+              f" ms per step left out of the mean), "
+              f"{args.requests * args.output_len / t:.0f} out tok/s", flush=True)
+        if phases is not None:
+            phases["python gc"] = gc_s[0] - gc0
+            print("  ms per step: " + ", ".join(f"{k} {1000 * v / len(times):.2f}"
+                                               for k, v in phases.items()), flush=True)
+    if profile:
+        pstats.Stats(profile).sort_stats("tottime").print_stats(args.profile)
 
 
 def serve(make_engine, config, folder, args, label: str):
