@@ -40,7 +40,7 @@ VARIANTS = {"default": {}, "no_triton": {"xla_gpu_enable_triton_gemm": False},
 STORE = {"fp8": jnp.float8_e4m3fn, "int8": jnp.int8}
 
 
-def time_us(fn, *args, reps=50) -> float:
+def time_us(fn, *args, reps=200) -> float:
     fn(*args).block_until_ready()
     times = []
     for _ in range(5):
@@ -76,10 +76,12 @@ def case(kind, m, n, k, options, key):
         wq = w / scale[:, None]
         wq = jnp.round(wq) if kind == "int8" else wq
         fn, args = w8a8(kind), (x, wq.astype(STORE[kind]), scale)
+    # jit's C++ dispatch (a few us) keeps small-M rows about the GPU, not the call.
+    jitted = jax.jit(fn, compiler_options=options or None)
     t0 = time.perf_counter()
-    compiled = jax.jit(fn).lower(*args).compile(compiler_options=options or None)
+    jitted.lower(*args).compile()
     compile_s = time.perf_counter() - t0
-    us = time_us(compiled, *args)
+    us = time_us(jitted, *args)
     return {"compile_s": round(compile_s, 2), "us": round(us, 1),
             "tflops": round(2 * m * n * k / us / 1e6, 1)}
 
