@@ -6,17 +6,15 @@ goal: fp8 at least 1.6x faster at B=64, context 8192), and a sweep of fp8 settin
 Prints, then writes to $OUT/bench_fp8_kv.json when OUT is set:
   1. the fp8 kernel (f16 dots, and the old bf16 dots) against the jnp reference;
   2. B=64 x ctx 2048 and 8192 (32q/8kv heads, D=128, block 16): bf16 KV, fp8 KV with
-     the defaults, fp8 KV with bf16 dots (the old conversion path, same tiles), with
-     the fp8 / bf16 speed-up;
-  3. a sweep of fp8 settings at ctx 8192 (keys per step, stages, warps, then the
-     table read per block and more splits on the best), and a few bf16 tiles there.
+     the defaults, fp8 KV with bf16 dots (the old conversion path, at the old tiles and
+     at the defaults), with the fp8 / bf16 speed-up;
+  3. a sweep of fp8 tiles (keys per step x stages, f16 and bf16 dots) at both contexts.
 Timing as in bench_kernels.py (median of repeats of back-to-back calls).
 """
 from __future__ import annotations
 
 import argparse
 import functools
-import itertools
 import json
 import os
 import time
@@ -27,7 +25,6 @@ import numpy as np
 
 from bench_kernels import BS, RESULTS, SM_SCALE, _check, bench, decode_inputs, row
 
-from pallas_kernels import common
 from pallas_kernels.paged_attention_decode import (paged_attention_decode,
                                                    ref_paged_attention_decode)
 
@@ -50,19 +47,19 @@ def check():
 def _time(name, inputs, **settings):
     q, k, v, tables, lens, kv_bytes = inputs
     fn = jax.jit(functools.partial(paged_attention_decode, sm_scale=SM_SCALE, **settings))
-    return row("fp8kv", name, lambda: bench(fn, q, k, v, tables, lens), kv_bytes=kv_bytes,
-               settings={k: str(x) for k, x in settings.items()})
+    return row("fp8kv", name, lambda: bench(fn, q, k, v, tables, lens), kv_bytes=kv_bytes)
 
 
 def main_table():
-    """bf16 KV, fp8 KV (defaults), fp8 KV with bf16 dots, at each context."""
+    """bf16 KV, fp8 KV (defaults), fp8 KV with bf16 dots at the old and the new tiles."""
     for ctx in CONTEXTS:
         shape = f"B={BATCH} ctx={ctx}"
         bf = _time(f"bf16 KV {shape}", decode_inputs(BATCH, ctx, BF16))
         fp8 = decode_inputs(BATCH, ctx, FP8)
         new = _time(f"fp8 KV {shape}", fp8)
-        old = _time(f"fp8 KV bf16 dots (old path) {shape}", fp8, dot_dtype=BF16,
+        old = _time(f"fp8 KV bf16 dots 64 keys x 2 (old) {shape}", fp8, dot_dtype=BF16,
                     blocks_per_step=4, num_stages=2)
+        _time(f"fp8 KV bf16 dots, default tiles {shape}", fp8, dot_dtype=BF16)
         if "ms" in bf and "ms" in new and "ms" in old:
             line = (f"{shape}: bf16 KV {bf['ms']:.3f} ms, fp8 KV {new['ms']:.3f} ms "
                     f"({bf['ms'] / new['ms']:.2f}x), old fp8 path {old['ms']:.3f} ms "
@@ -73,23 +70,18 @@ def main_table():
 
 
 def sweep():
-    """fp8 at ctx 8192: keys per step x stages x warps, then the best with the table
-    read per block and with 2 / 4 splits; then bf16 tiles at the same shape."""
-    ctx = CONTEXTS[-1]
-    fp8 = decode_inputs(BATCH, ctx, FP8)
-    grid = [dict(blocks_per_step=b, num_stages=n, num_warps=w)
-            for b, n, w in itertools.product((4, 8, 16), (2, 3), (4, 8))
-            if common.kv_smem_bytes(b * BS, 128, 1, n) <= common.SMEM_BYTES]
-    best = _sweep(f"fp8 ctx={ctx}", fp8, grid)
-    if best:
-        base = best["raw"]
-        _sweep(f"fp8 ctx={ctx}", fp8, [dict(base, per_block=True),
-                                        dict(base, k_splits=2), dict(base, k_splits=4)],
-               best)
-    del fp8
-    bf = decode_inputs(BATCH, ctx, BF16)
-    _sweep(f"bf16 ctx={ctx}", bf, [dict(blocks_per_step=b, num_stages=n)
-                                    for b, n in ((4, 2), (4, 3), (8, 2))])
+    """fp8 tiles (blocks_per_step, num_stages; f16 dots unless bf16 is named) at ctx
+    8192 and 2048, 4 warps (8 warps, 256 keys and the per-block table read lost in the
+    first sweep)."""
+    grids = {CONTEXTS[-1]: [(4, 3), (4, 4), (4, 6), (8, 4), (4, 3, BF16), (4, 4, BF16),
+                            (4, 6, BF16), (8, 3, BF16), (8, 4, BF16)],
+             CONTEXTS[0]: [(4, 2), (4, 3), (8, 2), (8, 4)]}
+    for ctx, grid in grids.items():
+        fp8 = decode_inputs(BATCH, ctx, FP8)
+        _sweep(f"fp8 ctx={ctx}", fp8, [
+            dict(blocks_per_step=t[0], num_stages=t[1], **({"dot_dtype": t[2]} if t[2:] else {}))
+            for t in grid])
+        del fp8
 
 
 def _sweep(label, inputs, configs, best=None):
@@ -97,8 +89,9 @@ def _sweep(label, inputs, configs, best=None):
         if time.perf_counter() > DEADLINE[0]:
             print(f"sweep {label}: out of time", flush=True)
             break
-        rec = _time(f"sweep {label} " + " ".join(f"{k}={v}" for k, v in settings.items()),
-                    inputs, **settings)
+        name = " ".join(f"{k}={v if k != 'dot_dtype' else jnp.dtype(v).name}"
+                        for k, v in settings.items())
+        rec = _time(f"sweep {label} {name}", inputs, **settings)
         rec["raw"] = settings
         if "ms" in rec and (best is None or rec["ms"] < best["ms"]):
             best = rec

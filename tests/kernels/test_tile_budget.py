@@ -33,9 +33,12 @@ def test_settings_fit(dtype, d, bs):
 
 @pytest.mark.parametrize("item", [1, 2])
 def test_tuned_two_byte_settings_unchanged(item):
-    """bf16 / fp8 KV at head_dim 128, block 16: the settings the H200 sweeps chose."""
+    """bf16 / fp8 KV at head_dim 128, block 16: the settings the H200 sweeps chose
+    (the decode kernel takes 128 keys x 3 stages for fp8 KV)."""
     assert ragged.default_settings(4, 128, 16, item) == (64, 4, 3)
-    assert decode.default_settings(128, 16, item) == (4, 2)
+    assert decode.default_settings(128, 16, item) == ((4, 2) if item == 2 else (8, 3))
+    assert decode.default_settings(128, 32, 1) == (4, 3)          # 128 keys at block 32
+    assert decode.default_settings(256, 16, 1) == (8, 2)          # d256: 2 stages fit
 
 
 def test_what_shrinks():
