@@ -28,7 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.runner.top_k_top_p import apply_top_k_top_p
+from jaxllm.runner.top_k_top_p import (apply_small_top_k_top_p, apply_top_k_top_p,
+                                       fits_small_top_k)
 from jaxllm.sampling_params import MAX_LOGPROBS, SAMPLING_EPS, SamplingParams
 
 
@@ -40,6 +41,8 @@ class SamplerFlags:
     all_greedy: every row has temperature 0, so no random numbers are drawn.
     use_bitmask: a grammar bitmask i32[S, ceil(V/32)] comes with the logits (bit v of
     row s set: token v allowed); batches without a constrained row pass none.
+    small_top_k: with the filters, every row's top_k is in [1, MAX_SMALL_TOP_K] or its
+    top_k and top_p are off, so they take the block path (top_k_top_p.py).
     """
 
     use_penalties: bool = False
@@ -47,6 +50,7 @@ class SamplerFlags:
     num_logprobs: int = 0
     all_greedy: bool = False
     use_bitmask: bool = False
+    small_top_k: bool = False
 
 
 # The per-row scalars of SamplingMetadata.rows, by column: f32 ones by their bits,
@@ -142,12 +146,14 @@ class SamplingMetadata:
             blocked_tokens=_pad_token_lists(
                 _blocked_token_lists(params, output_indices, eos_token_ids), s),
         )
+        filters = any(p.uses_filters for p in params)
         flags = SamplerFlags(
             use_penalties=any(p.uses_penalties for p in params)
             or bool((md.blocked_tokens >= 0).any()),
-            use_top_k_top_p_min_p=any(p.uses_filters for p in params),
+            use_top_k_top_p_min_p=filters,
             num_logprobs=MAX_LOGPROBS if any(p.logprobs for p in params) else 0,
             all_greedy=bool(greedy.all()),
+            small_top_k=filters and fits_small_top_k(columns["top_k"], columns["top_p"]),
         )
         return md, flags
 
@@ -259,7 +265,8 @@ def _sample_random(logits: jax.Array, md: SamplingMetadata, flags: SamplerFlags)
     logits = logits / temperature[:, None]
     if flags.use_top_k_top_p_min_p:
         logits = apply_min_p(logits, md.min_p)
-        logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
+        top_k_top_p = apply_small_top_k_top_p if flags.small_top_k else apply_top_k_top_p
+        logits = top_k_top_p(logits, md.top_k, md.top_p)
     keys = row_keys(md.seeds, md.output_index)
     gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (vocab,), jnp.float32))(keys)
     return jnp.argmax(logits + gumbel, axis=-1).astype(jnp.int32)
@@ -347,14 +354,15 @@ def _pad_token_lists(lists: Sequence[Sequence[int]], rows: int) -> np.ndarray:
 
 
 def warm_up_variants() -> list[SamplerFlags]:
-    """The variants warmed up: greedy or random, with or without top-k/p/min-p, with
-    or without logprobs. Penalty variants depend on token-list widths and compile on
-    first use."""
+    """The variants warmed up: greedy or random, with or without top-k/p/min-p (either
+    path), with or without logprobs. Penalty variants depend on token-list widths and
+    compile on first use."""
     out = []
     for lp in (0, MAX_LOGPROBS):
         out.append(SamplerFlags(False, False, lp, True))
         out.append(SamplerFlags(False, False, lp, False))
         out.append(SamplerFlags(False, True, lp, False))
+        out.append(SamplerFlags(False, True, lp, False, small_top_k=True))
     # Constrained batches, greedy or plain random; the rest compile on first use.
     out.append(SamplerFlags(False, False, 0, True, use_bitmask=True))
     out.append(SamplerFlags(False, False, 0, False, use_bitmask=True))

@@ -14,7 +14,13 @@ the H200 at vocab 128,256 (bf16 logits) the search at 4 bits took 163 / 880 / 8,
 at S = 8 / 64 / 256 rows against the sort's 310 / 1,109 / 2,637 us, so rows past
 RADIX_MAX_ROWS are sorted.
 
-Letter legend: S rows, V vocabulary, C = 2**BITS - 1 candidates per pass.
+Rows whose top_k is at most MAX_SMALL_TOP_K (or with both filters off), the sampler's
+``SamplerFlags.small_top_k``, take ``apply_small_top_k_top_p`` instead: it reads the
+row once for block maxima and works on the few blocks that can hold the top-k, with
+no search over the whole row (see its docstring).
+
+Letter legend: S rows, V vocabulary, C = 2**BITS - 1 candidates per pass, G =
+MAX_SMALL_TOP_K blocks of BLOCK tokens kept per row.
 """
 from __future__ import annotations
 
@@ -22,6 +28,8 @@ import jax
 import jax.numpy as jnp
 
 RADIX_MAX_ROWS = 64
+MAX_SMALL_TOP_K = 64
+BLOCK = 64
 
 
 def apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array,
@@ -49,6 +57,73 @@ def apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array,
     # The largest logit always survives, even where the rounded total mass is <= 1 - p.
     pth = jnp.minimum(pth, jnp.max(keys, axis=-1))
     return jnp.where(keys >= pth[:, None], logits, -jnp.inf)
+
+
+def fits_small_top_k(top_k, top_p) -> bool:
+    """Host side: whether every row (numpy top_k i32[S], top_p f32[S]) may take
+    ``apply_small_top_k_top_p``: top_k in [1, MAX_SMALL_TOP_K], or top_k and top_p off."""
+    small = (top_k >= 1) & (top_k <= MAX_SMALL_TOP_K)
+    return bool((small | ((top_k == 0) & (top_p >= 1.0))).all())
+
+
+def apply_small_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                            block: int = BLOCK) -> jax.Array:
+    """``apply_top_k_top_p`` for rows that ``fits_small_top_k`` (others come out wrong).
+
+    Of the row's blocks of `block` tokens, take the G with the largest maxima and call
+    the next block maximum the floor: every token above the floor lies in those G
+    blocks, and G + 1 blocks hold a token at or above it, so for k <= G + 1 the k-th
+    largest logit is a token of the G blocks or the floor itself. Top-p after top-k
+    then only needs those tokens and how many tokens equal the floor. Rows with both
+    filters off keep the tokens of nonzero probability, as the sort-based twin does.
+    """
+    s, vocab = logits.shape
+    cand, floor, row_max = _top_blocks(logits, block)
+    k = jnp.where(top_k > 0, jnp.clip(top_k, 1, vocab), vocab)
+    n_floor = jnp.sum(logits == floor[:, None], axis=-1)
+    thr = _small_thresholds(cand, floor, n_floor, row_max, k, top_p)
+    # Rows without filters: the twin's p = 1 cut drops the tokens whose probability
+    # rounds to 0 (the lowest of the cumulative sum that stays at 0).
+    e = jnp.exp(logits - row_max[:, None])
+    alive = e / jnp.sum(e, axis=-1, keepdims=True) > 0
+    keep = jnp.where((k <= MAX_SMALL_TOP_K)[:, None], logits >= thr[:, None], alive)
+    return jnp.where(keep, logits, -jnp.inf)
+
+
+def _top_blocks(logits: jax.Array, block: int):
+    """-> (cand f32[S, G*block]: the tokens of the G blocks with the largest maxima,
+    those at or below the floor set to -inf; floor f32[S]: the (G+1)-th largest block
+    maximum; row_max f32[S]). Short rows are padded with -inf blocks."""
+    s, vocab = logits.shape
+    g = MAX_SMALL_TOP_K
+    n = max(-(-vocab // block), g + 1)
+    x = jnp.pad(logits, ((0, 0), (0, n * block - vocab)), constant_values=-jnp.inf)
+    blocks = x.reshape(s, n, block)
+    top_max, top_ids = jax.lax.top_k(jnp.max(blocks, axis=-1), g + 1)
+    floor = top_max[:, g]
+    cand = jnp.take_along_axis(blocks, top_ids[:, :g, None], axis=1).reshape(s, g * block)
+    return jnp.where(cand > floor[:, None], cand, -jnp.inf), floor, top_max[:, 0]
+
+
+def _small_thresholds(cand, floor, n_floor, row_max, k, top_p) -> jax.Array:
+    """The kept set's lowest value per row, for rows with k <= G (see
+    apply_small_top_k_top_p). The tokens equal to the floor are one group of n_floor
+    that is either wholly in the top-k or wholly out."""
+    g = MAX_SMALL_TOP_K
+    top = jax.lax.top_k(cand, g)[0]                # descending; -inf past the tokens
+    kth = jnp.take_along_axis(top, jnp.minimum(k, g)[:, None] - 1, axis=-1)[:, 0]
+    kth = jnp.maximum(kth, floor)                  # fewer than k above the floor
+    e = jnp.where(cand >= kth[:, None], jnp.exp(cand - row_max[:, None]), 0.0)
+    e_floor = jnp.where(floor >= kth, n_floor * jnp.exp(floor - row_max), 0.0)
+    z = jnp.sum(e, axis=-1) + e_floor
+    probs = e / z[:, None]
+    # Every value of the top-k is in `top` or is the floor; a value's mass below is
+    # what the twin's ascending cumulative sum holds just before it.
+    below = (e_floor / z)[:, None] + jnp.sum(
+        jnp.where(cand[:, None, :] < top[:, :, None], probs[:, None, :], 0.0), axis=-1)
+    ok = (top >= kth[:, None]) & (below <= (1.0 - top_p)[:, None])
+    # No value passing (a cut inside the floor group) leaves the k-th largest.
+    return jnp.maximum(kth, jnp.max(jnp.where(ok, top, -jnp.inf), axis=-1))
 
 
 def ref_apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array,

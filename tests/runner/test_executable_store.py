@@ -25,7 +25,7 @@ from jaxllm.runner.model_runner import ModelRunner
 
 ENGINE = dict(dtype="float32", max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16,
               cpu_kv_cache_bytes=1 << 20)
-NUM_PROGRAMS = 2 + 8       # steps, then the sampler variants (6 plain, 2 with a grammar bitmask)
+NUM_PROGRAMS = 2 + 10      # steps, then the sampler variants (8 plain, 2 with a grammar bitmask)
 PROMPTS = [{"prompt_token_ids": ids} for ids in ([5, 9, 2, 7, 1, 3], [17, 3, 8], [40] * 20)]
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

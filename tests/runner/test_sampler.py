@@ -16,6 +16,7 @@ from jaxllm.runner.sampler import (
     SamplingMetadata,
     apply_min_p,
     apply_penalties,
+    apply_small_top_k_top_p,
     apply_top_k_top_p,
     sample,
 )
@@ -100,10 +101,15 @@ def _assert_same_support(got, want):
 # ---- filters and penalties against the references ----
 
 
-def test_top_k_matches_reference():
+# Both paths: the radix search, and the block path (top_k <= 64, or both filters off).
+BOTH_PATHS = [apply_top_k_top_p, apply_small_top_k_top_p]
+
+
+@pytest.mark.parametrize("top_k_top_p", BOTH_PATHS)
+def test_top_k_matches_reference(top_k_top_p):
     logits = _logits(6)
     top_k = np.array([0, 1, 2, 5, V, V + 10], np.int32)
-    got = np.asarray(apply_top_k_top_p(jnp.asarray(logits), jnp.asarray(top_k), jnp.ones(6)))
+    got = np.asarray(top_k_top_p(jnp.asarray(logits), jnp.asarray(top_k), jnp.ones(6)))
     _assert_same_support(got, ref_top_k_top_p(logits, np.minimum(top_k, V), np.ones(6)))
     assert list(np.isfinite(got).sum(-1)) == [V, 1, 2, 5, V, V]
 
@@ -116,10 +122,11 @@ def test_top_p_matches_reference():
     assert np.isfinite(got[-1]).sum() == 1  # tiny p still keeps the argmax
 
 
-def test_top_k_and_top_p_combined_renormalize_over_top_k():
+@pytest.mark.parametrize("top_k_top_p", BOTH_PATHS)
+def test_top_k_and_top_p_combined_renormalize_over_top_k(top_k_top_p):
     logits = _logits(4, seed=2)
     top_k, top_p = np.array([3, 8, 1, 16]), np.array([0.7, 0.6, 0.5, 0.95], np.float32)
-    got = apply_top_k_top_p(jnp.asarray(logits), jnp.asarray(top_k, jnp.int32), jnp.asarray(top_p))
+    got = top_k_top_p(jnp.asarray(logits), jnp.asarray(top_k, jnp.int32), jnp.asarray(top_p))
     _assert_same_support(np.asarray(got), ref_top_k_top_p(logits, top_k, top_p))
 
 
