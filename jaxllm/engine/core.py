@@ -188,6 +188,9 @@ class EngineCore:
                     self.spec_stats.observe(len(r.spec_token_ids), accepted)
                     self.spec_policy.observe(r.request_id, accepted)
             self.spec_policy.forget(so.finished_request_ids)
+        if self.structured_output_manager is not None:
+            self.structured_output_manager.accept_tokens(so.scheduled, self.scheduler.requests,
+                                                         tokens)
         updated = self.scheduler.update_from_output(so, tokens)
         out = EngineCoreOutputs(prompt_logprobs=prompt_logprobs)
         for req in updated:

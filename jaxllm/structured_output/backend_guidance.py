@@ -118,3 +118,8 @@ class MaskFiller:
         """Each (matcher, row)'s allowed next tokens into bitmask i32[S, W]."""
         if rows:
             llguidance.numpy.fill_next_token_bitmask_par(self.executor, rows, bitmask)
+
+    def consume(self, pairs: list[tuple]) -> list[bool]:
+        """Each (matcher, token): the matcher advanced by the token; whether it was
+        allowed (a rejected one leaves its matcher in an error state)."""
+        return self.executor.consume_token_par(pairs)

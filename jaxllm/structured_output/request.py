@@ -14,6 +14,9 @@ class StructuredOutputRequest:
         self._grammar = grammar        # -> the pristine matcher of the grammar
         self.matcher = None            # this request's copy, once the grammar is ready
         self.error: str | None = None
+        # (token, accepted): the manager's accept_tokens consumed it ahead, for the
+        # scheduler's accept(token) to find.
+        self._accepted_ahead: tuple[int, bool] | None = None
 
     def is_ready(self) -> bool:
         """Whether the grammar has compiled (the scheduler holds the request until
@@ -34,13 +37,25 @@ class StructuredOutputRequest:
         rejects it, after which the request ends."""
         if self.matcher is None:
             return False
-        if self.matcher.consume_token(token):
-            return True
+        ahead, self._accepted_ahead = self._accepted_ahead, None
+        if ahead is not None and ahead[0] == token:
+            ok = ahead[1]
+        else:
+            ok = self.matcher.consume_token(token)
+        if not ok:
+            self._rejected(token)
+        return ok
+
+    def accepted_ahead(self, token: int, ok: bool) -> None:
+        """The matcher consumed `token` already (StructuredOutputManager.accept_tokens,
+        with other rows' in parallel): the next accept(token) only reports `ok`."""
+        self._accepted_ahead = token, ok
+
+    def _rejected(self, token: int) -> None:
         if self.error is None:
             self.error = self.matcher.get_error()[:300]
             logger.warning("request %s: token %d rejected by its grammar: %s",
                            self.request_id, token, self.error)
-        return False
 
     def is_terminated(self) -> bool:
         """The grammar is complete (only EOS may follow) or failed."""
