@@ -1,0 +1,313 @@
+"""Small-M matmuls of quantized weights (decode): the weight streamed from HBM once,
+converted tile by tile in registers, the products accumulated in f32 (int32 for
+int8 x int8).
+
+Decode is bound by the weight's bytes, and XLA's paths do not gain from quantized
+weights there: on the H200 at M = 8 the 28672x4096 gate/up dot took 63 us in bf16
+and 65 / 62 us through cuBLASLt's fp8 / int8 GEMMs (half the bytes: ~29 us at
+4 TB/s), and a 4-bit weight dequantized by XLA (``w.astype(bf16)`` then the dot) was
+slower than bf16.
+
+Letter legend: M tokens (rows of x), Mp = M padded to a power of two >= 16, N output
+channels, K contracted dim, BN output channels per program, BK columns of K per inner
+step, S k-splits, G the 4-bit group size.
+
+Grid (cdiv(N, BN), S). A program owns BN output channels and 1/S of the K steps and
+computes acc[BN, Mp] = W[BN, BK] @ x[Mp, BK]^T per step: the weight is the MMA's
+left operand, so its many rows are the MMA's M and x's few rows its N (>= 16). On
+Hopper wgmma takes A from registers, where the converted weight already is, and B
+from shared memory, where x's tile lands. With S > 1 each split writes f32 partials
+[S, M, N] (scales applied) and an XLA sum adds them; inside a model that sum fuses
+into the consumer of the matmul.
+
+Out-of-range rows of a tile read a clamped in-range row (no load masks on the weight
+stream); their outputs are not stored. A K not a multiple of BK clamps the weight's
+columns too and reads x's columns past K as 0, so the duplicates add nothing.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels import common
+
+# Rows of x a program keeps: the accumulator is [BN, Mp] f32 in registers.
+MAX_M = 128
+# 2^23 as f32: ``bits(2^23) | q`` is the float 2^23 + q for an integer q < 2^23.
+_MAGIC = 0x4B000000
+
+
+# --- references ----------------------------------------------------------------------
+
+def ref_quant_matmul(x, w, x_scale, w_scale, *, out_dtype=None):
+    """x [M, K]: quantized per token (fp8 / int8, or those values held in f16) with
+    x_scale f32[M] or a scalar, or a 16-bit activation with x_scale None (weight-only);
+    w [N, K] fp8 e4m3 / int8 with per-channel w_scale f32[N] -> [M, N] ``out_dtype``
+    (default: x's dtype when 16-bit, else bf16).
+
+    Quantized x: the dot of the widened values, exact in f32 (jaxllm's
+    ``quantized_matmul``); weight-only: w cast to x's dtype, then the dot with f32
+    accumulation (QuantLinear's weight-only path). Scales multiply the f32 result."""
+    out_dtype = default_out_dtype(x.dtype, x_scale, out_dtype)
+    dims = (((1,), (1,)), ((), ()))
+    if x_scale is None:
+        y = lax.dot_general(x, w.astype(x.dtype), dims, preferred_element_type=jnp.float32)
+    else:
+        y = lax.dot_general(x.astype(jnp.float32), w.astype(jnp.float32), dims,
+                            preferred_element_type=jnp.float32)
+        y = y * jnp.broadcast_to(jnp.asarray(x_scale, jnp.float32), (x.shape[0],))[:, None]
+    return (y * w_scale[None, :]).astype(out_dtype)
+
+
+def ref_quant_matmul_int4(x, w, scale, zero, *, group, out_dtype=None):
+    """x [M, K] (bf16 / f16), w uint8 [N, K/2] holding two uint4 a byte (column 2j in
+    the low nibble, 2j + 1 in the high), scale and zero f32 [N, cdiv(K, G)] ->
+    [M, N] ``out_dtype`` (default x's dtype). The weight dequantized as
+    ((q - zero) * scale) in f32, cast to x's dtype, the dot accumulated in f32
+    (jaxllm's ``grouped_dequant_matmul`` without act-order)."""
+    out_dtype = default_out_dtype(x.dtype, None, out_dtype)
+    n, k = w.shape[0], x.shape[1]
+    q = jnp.stack([w & 15, w >> 4], axis=-1).reshape(n, k)
+    g = jnp.arange(k) // group
+    wd = ((q.astype(jnp.float32) - zero[:, g]) * scale[:, g]).astype(x.dtype)
+    return jnp.einsum("mk,nk->mn", x, wd, preferred_element_type=jnp.float32).astype(out_dtype)
+
+
+def default_out_dtype(x_dtype, x_scale, out_dtype=None):
+    if out_dtype is not None:
+        return jnp.dtype(out_dtype)
+    return jnp.dtype(x_dtype) if x_scale is None else jnp.dtype(jnp.bfloat16)
+
+
+# --- settings ------------------------------------------------------------------------
+
+def default_dot_dtype(x_dtype, w_dtype, x_scale):
+    """int8 x int8: the int8 dot itself (int32 accumulation, exact, and no conversion at
+    all: widening int8 to f16 is one cvt per value, which at the H200's bandwidth
+    would keep the conversion pipe, 16 results per clock per SM, near full).
+    Other quantized x: f16, which holds every e4m3 and int8 value exactly (e4m3 -> f16
+    is one packed cvt per two values on sm90). Weight-only: x's dtype, so x is not
+    rounded (f16's range ends at 65504; ``dot_dtype=float16`` is the faster choice for
+    fp8 weights when activations stay inside it, see paged_attention_decode's
+    default_dot_dtype)."""
+    if x_scale is None:
+        return jnp.dtype(x_dtype)
+    if jnp.dtype(x_dtype) == jnp.int8 and jnp.dtype(w_dtype) == jnp.int8:
+        return jnp.dtype(jnp.int8)
+    return jnp.dtype(jnp.float16)
+
+
+def smem_bytes(mp, bn, bk, w_bits, x_itemsize, num_stages, groups_per_step=0) -> int:
+    """Shared memory of the pipelined loads: each stage holds a weight tile, an x tile
+    and the step's scales and zeros (f32); plus one x tile converted for the dot."""
+    stage = bn * bk * w_bits // 8 + mp * bk * x_itemsize + 2 * 4 * bn * groups_per_step
+    return num_stages * stage + mp * bk * 2
+
+
+def default_k_splits(m, n_blocks, k, bk, w_bits) -> int:
+    """Splits of K so that small N still fills the card: about two programs per SM
+    (common.num_sms) when the N blocks alone do not reach one per SM, keeping >= 4
+    steps per split (a pipeline of 3-4 stages has to fill), and the partials (S x M x
+    N f32, written then read back) under 1/8 of the weight's bytes. Powers of two."""
+    if n_blocks >= common.num_sms():
+        return 1
+    want = common.cdiv(2 * common.num_sms(), n_blocks)
+    cap = max(1, (k * w_bits // 8) // (64 * m))
+    s = max(1, min(want, cap, common.cdiv(k, bk) // 4))
+    return 1 << (s.bit_length() - 1)
+
+
+def default_settings(m, n, k, w_bits, x_itemsize, group=None, block_n=None, block_k=None,
+                     k_splits=None, num_warps=None, num_stages=None) -> dict:
+    """Tile settings, each default only where the caller gave None.
+
+    BK: 256 columns, 256 bytes of a 1-byte weight row (two 128-byte lines) or 128 of a
+    4-bit one; the converted tile [BN, BK] 16-bit is 64 registers a thread at BN = 16
+    x warps. BN: 128 (8 warps) when N / 128 programs reach one per SM (gate/up 28672:
+    224), else 64 (4 warps; a wgmma covers 64 rows), so qkv's 6144 and o/down's 4096
+    give 96 and 64 programs before the k-splits. 4 stages keep ~48-64 KB of weight in
+    flight per SM, which 4 TB/s over 132 SMs at ~1.5 us of latency asks for; fewer
+    where shared memory (common.SMEM_BYTES) does not hold them. None of this is
+    measured yet: the keywords are there for a GPU sweep."""
+    mp = max(16, common.next_pow2(m))
+    bk = block_k or min(256, max(32, common.next_pow2(k)))
+    if group is not None:
+        bk = max(bk, 32)
+    bn = block_n or (128 if common.cdiv(n, 128) >= common.num_sms() else 64)
+    bn = min(bn, max(16, common.next_pow2(n)))
+    warps = num_warps or max(4, min(8, bn // 16))
+    gps = 0 if group is None else max(1, bk // group)
+    stages = num_stages or 4
+    while num_stages is None and stages > 2 and smem_bytes(
+            mp, bn, bk, w_bits, x_itemsize, stages, gps) > common.SMEM_BYTES:
+        stages -= 1
+    splits = k_splits or default_k_splits(m, common.cdiv(n, bn), k, bk, w_bits)
+    return dict(mp=mp, bn=bn, bk=bk, k_splits=splits, num_warps=warps, num_stages=stages)
+
+
+# --- kernels -------------------------------------------------------------------------
+
+_SETTINGS = ("out_dtype", "block_n", "block_k", "k_splits", "num_warps", "num_stages",
+             "dot_dtype", "interpret")
+
+
+@functools.partial(jax.jit, static_argnames=_SETTINGS)
+def quant_matmul(x, w, x_scale, w_scale, *, out_dtype=None, block_n=None, block_k=None,
+                 k_splits=None, num_warps=None, num_stages=None, dot_dtype=None,
+                 interpret=False):
+    """Same contract as ``ref_quant_matmul``; the rest are kernel settings
+    (default_settings, default_dot_dtype). A quantized x may come widened to f16
+    (exactly), which spares each program converting x's tile."""
+    m, k = x.shape
+    n = w.shape[0]
+    if jnp.dtype(w.dtype) not in (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.int8)):
+        raise ValueError(f"weight dtype {w.dtype}: fp8 e4m3 or int8 expected")
+    _check(m, k, w.shape, (n, k))
+    out_dtype = default_out_dtype(x.dtype, x_scale, out_dtype)
+    dot_dtype = jnp.dtype(dot_dtype or default_dot_dtype(x.dtype, w.dtype, x_scale))
+    st = default_settings(m, n, k, 8, x.dtype.itemsize, block_n=block_n, block_k=block_k,
+                          k_splits=k_splits, num_warps=num_warps, num_stages=num_stages)
+    aux = [w_scale.astype(jnp.float32)]
+    if x_scale is not None:
+        aux.insert(0, jnp.broadcast_to(jnp.asarray(x_scale, jnp.float32), (m,)))
+    bk, ragged = st["bk"], k % st["bk"] != 0
+
+    def tile(aux_refs, w_ref, rows, i):
+        cols = i * bk + jnp.arange(bk)
+        cols = jnp.minimum(cols, k - 1) if ragged else cols
+        return w_ref[rows[:, None], cols[None, :]].astype(dot_dtype)
+
+    def epilogue(aux_refs, acc, rows, xrows):   # x's scale first, as quantized_matmul
+        if x_scale is not None:
+            acc = acc * aux_refs[0][xrows][None, :]
+        return acc * aux_refs[-1][rows][:, None]
+
+    return _launch(tile, epilogue, x, w, aux, n=n, st=st, out_dtype=out_dtype,
+                   dot_dtype=dot_dtype, name="quant_matmul", interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("group",) + _SETTINGS)
+def quant_matmul_int4(x, w, scale, zero, *, group, out_dtype=None, block_n=None,
+                      block_k=None, k_splits=None, num_warps=None, num_stages=None,
+                      dot_dtype=None, interpret=False):
+    """Same contract as ``ref_quant_matmul_int4`` (G a power of two); the rest are kernel
+    settings (default_settings). The dot runs in x's dtype unless ``dot_dtype``."""
+    m, k = x.shape
+    n = w.shape[0]
+    if jnp.dtype(w.dtype) != jnp.uint8 or k % 2:
+        raise ValueError(f"weight {w.dtype} {w.shape}: uint8 [N, K/2] expected, K even")
+    if group < 2 or group & (group - 1):
+        raise ValueError(f"group {group}: a power of two expected")
+    _check(m, k, w.shape, (n, k // 2))
+    groups = common.cdiv(k, group)
+    if scale.shape != (n, groups) or zero.shape != (n, groups):
+        raise ValueError(f"scale {scale.shape} / zero {zero.shape}: [{n}, {groups}] expected")
+    out_dtype = default_out_dtype(x.dtype, None, out_dtype)
+    dot_dtype = jnp.dtype(dot_dtype or x.dtype)
+    st = default_settings(m, n, k, 4, x.dtype.itemsize, group=group, block_n=block_n,
+                          block_k=block_k, k_splits=k_splits, num_warps=num_warps,
+                          num_stages=num_stages)
+    bn, bk = st["bn"], st["bk"]
+    half, per_step, ragged = bk // 2, max(1, bk // group), k % bk != 0
+
+    def tile(aux_refs, w_ref, rows, i):
+        s_ref, z_ref = aux_refs
+        pcols = i * half + jnp.arange(half)
+        gcols = lax.div(i * bk, group) + jnp.arange(per_step)
+        if ragged:
+            pcols, gcols = jnp.minimum(pcols, k // 2 - 1), jnp.minimum(gcols, groups - 1)
+        p = w_ref[rows[:, None], pcols[None, :]]                      # u8 [BN, BK/2]
+
+        def spread(ref):   # [BN, groups of the step] -> one per packed column
+            g = ref[rows[:, None], gcols[None, :]]
+            g = jnp.broadcast_to(g[:, :, None], (bn, per_step, half // per_step))
+            return g.reshape(bn, half)
+        s, z = spread(s_ref), spread(z_ref)
+        lo = ((_nibble_f32(p & 15) - z) * s).astype(dot_dtype)
+        hi = ((_nibble_f32(p >> 4) - z) * s).astype(dot_dtype)
+        return jnp.stack([lo, hi], axis=-1).reshape(bn, bk)            # columns in order
+
+    def epilogue(aux_refs, acc, rows, xrows):
+        return acc
+
+    aux = [scale.astype(jnp.float32), zero.astype(jnp.float32)]
+    return _launch(tile, epilogue, x, w, aux, n=n, st=st, out_dtype=out_dtype,
+                   dot_dtype=dot_dtype, name="quant_matmul_int4", interpret=interpret)
+
+
+def _nibble_f32(q):
+    """uint values < 16 as f32 without an int-to-float conversion (those run at 16 per
+    clock per SM on the conversion pipe, a 4-bit stream at 4 TB/s wants ~30): the
+    bits of 2^23 with q in the low mantissa bits are 2^23 + q, exactly."""
+    bits = q.astype(jnp.uint32) | jnp.uint32(_MAGIC)
+    return lax.bitcast_convert_type(bits, jnp.float32) - jnp.float32(1 << 23)
+
+
+def _check(m, k, w_shape, want):
+    if m > MAX_M:
+        raise ValueError(f"{m} rows: the small-M kernel takes at most {MAX_M}")
+    if tuple(w_shape) != want:
+        raise ValueError(f"weight {tuple(w_shape)} for x [{m}, {k}]: {want} expected")
+
+
+def _launch(tile, epilogue, x, w, aux, *, n, st, out_dtype, dot_dtype, name, interpret):
+    m, k = x.shape
+    ns, bn, bk = st["k_splits"], st["bn"], st["bk"]
+    if bn & (bn - 1) or bk & (bk - 1) or bn < 16 or bk < 32:
+        raise ValueError(f"block_n {bn} / block_k {bk}: powers of two, >= 16 / 32")
+    kernel = functools.partial(_kernel, tile=tile, epilogue=epilogue, m=m, n=n, k=k,
+                               mp=st["mp"], bn=bn, bk=bk, num_splits=ns, dot_dtype=dot_dtype)
+    shape = (ns, m, n) if ns > 1 else (m, n)
+    full = lambda s: pl.BlockSpec(s, lambda j, sp: (0,) * len(s))  # noqa: E731
+    out = common.pallas_call(
+        kernel, grid=(common.cdiv(n, bn), ns),
+        in_specs=[full(a.shape) for a in (x, w, *aux)],
+        out_specs=full(shape),
+        out_shape=jax.ShapeDtypeStruct(shape, jnp.float32 if ns > 1 else out_dtype),
+        num_warps=st["num_warps"], num_stages=st["num_stages"], interpret=interpret,
+        name=name,
+    )(x, w, *aux)
+    return out if ns == 1 else out.sum(axis=0).astype(out_dtype)
+
+
+def _kernel(x_ref, w_ref, *refs, tile, epilogue, m, n, k, mp, bn, bk, num_splits,
+            dot_dtype):
+    *aux, o_ref = refs
+    j, split = pl.program_id(0), pl.program_id(1)
+    rows = j * bn + jnp.arange(bn)
+    rows_in = jnp.minimum(rows, n - 1) if n % bn else rows
+    xrows = jnp.minimum(jnp.arange(mp), m - 1)
+    steps = common.cdiv(k, bk)
+    if num_splits == 1:
+        start, end = 0, steps
+    else:
+        per = common.cdiv(steps, num_splits)
+        start = jnp.minimum(split * per, steps)
+        end = jnp.minimum(start + per, steps)
+
+    def body(i, acc):
+        cols = i * bk + jnp.arange(bk)
+        if k % bk:   # x's columns past K read as 0: the weight's clamped ones add nothing
+            xt = plgpu.load(x_ref.at[xrows[:, None], jnp.minimum(cols, k - 1)[None, :]],
+                            mask=(cols < k)[None, :], other=0)
+        else:
+            xt = x_ref[xrows[:, None], cols[None, :]]
+        wt = tile(aux, w_ref, rows_in, i)
+        return acc + plgpu.dot(wt, xt.astype(dot_dtype), trans_b=True)
+
+    acc_dtype = jnp.int32 if dot_dtype == jnp.int8 else jnp.float32
+    acc = lax.fori_loop(start, end, body, jnp.zeros((bn, mp), acc_dtype))
+    y = epilogue(aux, acc.astype(jnp.float32), rows_in, xrows)
+
+    # Masked lanes point out of bounds (common.store_rows).
+    row_ok, col_ok = rows < n, jnp.arange(mp) < m
+    out_rows = jnp.where(row_ok, rows, n)
+    out_cols = jnp.where(col_ok, jnp.arange(mp), m)
+    lead = (split,) if num_splits > 1 else ()
+    plgpu.store(o_ref.at[(*lead, out_cols[None, :], out_rows[:, None])],
+                y.astype(o_ref.dtype), mask=row_ok[:, None] & col_ok[None, :])

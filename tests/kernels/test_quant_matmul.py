@@ -1,0 +1,233 @@
+"""Small-M quantized matmul kernels (interpret mode) against their references and
+jaxllm's W8A8 / grouped weight-only layer math, and their CUDA lowering at the
+Llama-3.1-8B shapes."""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from cuda_lowering import lower_for_cuda
+from kernel_cases import run
+
+from jaxllm.layers.quantization.linear import (grouped_dequant_matmul, quantize,
+                                               quantize_per_token, quantized_matmul)
+from jaxllm.layers.quantization.schemes import ActScheme, LinearScheme
+from pallas_kernels import common
+from pallas_kernels.quant_matmul import (default_settings, quant_matmul, quant_matmul_int4,
+                                         ref_quant_matmul, ref_quant_matmul_int4, smem_bytes)
+
+SD = jax.ShapeDtypeStruct
+F32, BF16 = jnp.float32, jnp.bfloat16
+STORE = {"fp8": jnp.float8_e4m3fn, "int8": jnp.int8}
+# Small tiles, so a few-hundred-column case takes several steps and splits.
+SMALL = dict(block_n=32, block_k=64)
+
+
+def _w8(seed, n, k, kind):
+    """Per-channel quantized weight [N, K] and its scales f32[N]."""
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.05
+    scale = jnp.asarray(np.abs(w).max(axis=1) / (448.0 if kind == "fp8" else 127.0))
+    return quantize(jnp.asarray(w), kind, scale[:, None]), scale
+
+
+def _x(seed, m, k, dtype=F32):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal((m, k)) * 3, dtype)
+
+
+def _close(got, want, rtol):
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=0, atol=rtol * np.abs(want).max())
+
+
+# (M, N, K, settings): ragged N (80 = 2.5 tiles), ragged K (200 = 3 steps + 8 columns),
+# 3 splits over 4 steps (the last split is empty: its partial must be zeros).
+W8_CASES = [
+    (1, 96, 256, dict(k_splits=1)),
+    (3, 80, 200, dict(k_splits=2)),
+    (8, 64, 256, dict(k_splits=3)),
+    (16, 80, 256, dict(k_splits=1)),
+    (64, 48, 192, dict(k_splits=2)),
+]
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+@pytest.mark.parametrize("case", W8_CASES, ids=lambda c: f"m{c[0]}_n{c[1]}_k{c[2]}_{c[3]}")
+def test_w8a8_matches_layer_math(kind, case):
+    """x quantized per token as the W8A8 layer does; the kernel agrees with the ref and
+    with quantized_matmul on the same values (int8 x int8 to the bit: both sums are
+    exact integers, the scales applied in the same order)."""
+    m, n, k, settings = case
+    wq, ws = _w8(m + n, n, k, kind)
+    xq, xs = quantize_per_token(_x(k, m, k), 1, ActScheme(kind))
+    got = run(functools.partial(quant_matmul, out_dtype=F32, interpret=True, **SMALL,
+                                **settings), xq, wq, xs, ws)
+    layer = quantized_matmul(xq, xs, wq, ws, 1, native=False)
+    _close(got, ref_quant_matmul(xq, wq, xs, ws, out_dtype=F32), 1e-6)
+    if kind == "int8" and settings["k_splits"] == 1:
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(layer))
+    else:
+        _close(got, layer, 1e-6)
+
+
+def test_w8a8_default_output_is_bf16_and_f16_x_gives_the_same():
+    """A quantized x handed over widened to f16 (exact) computes the same numbers."""
+    wq, ws = _w8(0, 64, 128, "fp8")
+    xq, xs = quantize_per_token(_x(1, 5, 128), 1, ActScheme("fp8"))
+    fn = functools.partial(quant_matmul, interpret=True, **SMALL)
+    got = run(fn, xq, wq, xs, ws)
+    assert got.dtype == BF16
+    _close(got, ref_quant_matmul(xq, wq, xs, ws), 4e-3)
+    np.testing.assert_array_equal(np.asarray(run(fn, xq.astype(jnp.float16), wq, xs, ws)),
+                                  np.asarray(got))
+
+
+def test_static_input_scale():
+    """A stored per-tensor input scale (a scalar) broadcasts over the rows."""
+    wq, ws = _w8(2, 64, 128, "int8")
+    xq = quantize(_x(3, 4, 128), "int8", 0.05)
+    got = run(functools.partial(quant_matmul, out_dtype=F32, interpret=True, **SMALL),
+              xq, wq, jnp.float32(0.05), ws)
+    np.testing.assert_array_equal(np.asarray(got),
+                                  np.asarray(quantized_matmul(xq, 0.05, wq, ws, 1, False)))
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+def test_weight_only(kind):
+    """bf16 x, no x scale: QuantLinear's weight-only path (w cast to bf16, f32 sums)."""
+    wq, ws = _w8(4, 80, 200, kind)
+    x = _x(5, 8, 200, BF16)
+    got = run(functools.partial(quant_matmul, interpret=True, out_dtype=F32, k_splits=2,
+                                **SMALL), x, wq, None, ws)
+    want = jax.lax.dot_general(x, wq.astype(BF16), (((1,), (1,)), ((), ())),
+                               preferred_element_type=F32) * ws
+    _close(got, want, 1e-5)
+    _close(got, ref_quant_matmul(x, wq, None, ws, out_dtype=F32), 1e-5)
+
+
+def _w4(seed, n, k, group):
+    rng = np.random.default_rng(seed)
+    groups = -(-k // group)
+    packed = jnp.asarray(rng.integers(0, 256, (n, k // 2)), jnp.uint8)
+    scale = jnp.asarray(rng.uniform(0.005, 0.02, (n, groups)), F32)
+    zero = jnp.asarray(rng.integers(0, 16, (n, groups)), F32)
+    return packed, scale, zero
+
+
+# (M, N, K, group, settings): BK below, at and above the group; K not a multiple of
+# the group (its last group partial) nor of BK; a split that is empty.
+W4_CASES = [
+    (1, 64, 256, 32, dict(k_splits=2)),
+    (3, 80, 256, 64, dict(k_splits=1)),
+    (8, 64, 256, 128, dict(k_splits=3)),           # BK 64 < group 128
+    (16, 96, 200, 64, dict(k_splits=2)),           # 4 groups, the last of 8 columns
+    (64, 48, 256, 32, dict(k_splits=1, block_k=128)),
+]
+
+
+@pytest.mark.parametrize("case", W4_CASES, ids=lambda c: f"m{c[0]}_n{c[1]}_k{c[2]}_g{c[3]}")
+def test_w4a16_matches_layer_math(case):
+    m, n, k, group, settings = case
+    packed, scale, zero = _w4(m + k, n, k, group)
+    x = _x(n, m, k, BF16)
+    got = run(functools.partial(quant_matmul_int4, group=group, out_dtype=F32,
+                                interpret=True, **{**SMALL, **settings}),
+              x, packed, scale, zero)
+    want = ref_quant_matmul_int4(x, packed, scale, zero, group=group, out_dtype=F32)
+    _close(got, want, 1e-5)
+    layer = grouped_dequant_matmul(x, packed, scale, zero, None,
+                                   LinearScheme("uint4", group=group), 1)
+    _close(got, layer, 1e-5)
+
+
+def test_w4_nibble_order_and_zero_point():
+    """One nonzero column at a time: column 2j is byte j's low nibble, 2j + 1 its high
+    one, and (q - zero) * scale uses that column's group."""
+    n, k, group = 32, 128, 32
+    q = np.zeros((n, k), np.int64)
+    q[:, 3], q[:, 36] = 5, 11                        # odd column (high), group 1 (low)
+    packed = jnp.asarray(q[:, 0::2] | (q[:, 1::2] << 4), jnp.uint8)
+    scale = jnp.asarray(np.tile([1.0, 2.0, 4.0, 8.0], (n, 1)), F32)
+    zero = jnp.asarray(np.tile([0.0, 1.0, 0.0, 0.0], (n, 1)), F32)
+    x = jnp.zeros((1, k), BF16).at[0, 3].set(1.0).at[0, 36].set(10.0)
+    got = run(functools.partial(quant_matmul_int4, group=group, out_dtype=F32, block_n=32,
+                                block_k=64, interpret=True), x, packed, scale, zero)
+    # col 3: (5 - 0) * 1; col 36: (11 - 1) * 2, times 10; zeros elsewhere contribute
+    # -zero * scale * x = 0 (x is 0 there).
+    np.testing.assert_array_equal(np.asarray(got), np.full((1, n), 5.0 + 200.0))
+
+
+def test_rejects_what_it_does_not_support():
+    wq, ws = _w8(0, 64, 128, "fp8")
+    with pytest.raises(ValueError, match="rows"):
+        quant_matmul(jnp.zeros((129, 128), BF16), wq, None, ws, interpret=True)
+    with pytest.raises(ValueError, match="weight"):
+        quant_matmul(jnp.zeros((4, 96), BF16), wq, None, ws, interpret=True)
+    with pytest.raises(ValueError, match="powers of two"):
+        quant_matmul(jnp.zeros((4, 128), BF16), wq, None, ws, block_n=48, interpret=True)
+    packed, scale, zero = _w4(0, 64, 128, 32)
+    with pytest.raises(ValueError, match="power of two"):
+        quant_matmul_int4(jnp.zeros((4, 128), BF16), packed, scale, zero, group=48)
+
+
+# --- the 8B shapes: settings and CUDA lowering ---------------------------------------
+
+SHAPES_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
+             "down": (4096, 14336)}
+
+
+@pytest.mark.parametrize("m", [1, 8, 16, 64])
+@pytest.mark.parametrize("proj", list(SHAPES_8B))
+@pytest.mark.parametrize("w_bits,x_item,group", [(8, 1, None), (8, 2, None), (4, 2, 32),
+                                                 (4, 2, 128)])
+def test_default_settings_fit_shared_memory(proj, m, w_bits, x_item, group):
+    n, k = SHAPES_8B[proj]
+    st = default_settings(m, n, k, w_bits, x_item, group=group)
+    gps = 0 if group is None else max(1, st["bk"] // group)
+    assert smem_bytes(st["mp"], st["bn"], st["bk"], w_bits, x_item, st["num_stages"],
+                      gps) <= common.SMEM_BYTES
+    assert st["num_stages"] >= 2 and k % (st["bk"] * st["k_splits"]) == 0
+
+
+def test_default_k_splits_at_8b_shapes():
+    """gate/up's 224 N blocks fill the card alone; o (64 blocks) splits K at decode
+    sizes, but not at 64 rows, whose partials would cost more than 1/8 of the weight."""
+    def splits(proj, m):
+        return default_settings(m, *SHAPES_8B[proj], 8, 1)["k_splits"]
+    assert splits("gate_up", 8) == 1
+    assert splits("o", 1) == splits("o", 8) == 4 and splits("o", 64) == 1
+    assert splits("down", 8) == 4 and splits("qkv", 8) == 2
+
+
+@pytest.mark.parametrize("m", [1, 64])
+@pytest.mark.parametrize("proj", list(SHAPES_8B))
+@pytest.mark.parametrize("kind", ["fp8", "int8", "bf16_x"])
+def test_w8_lowers_at_8b_shapes(kind, proj, m):
+    n, k = SHAPES_8B[proj]
+    wdt = STORE["fp8" if kind == "bf16_x" else kind]
+    w, ws = SD((n, k), wdt), SD((n,), F32)
+    if kind == "bf16_x":
+        x = SD((m, k), BF16)
+        text = lower_for_cuda(lambda x, w, ws: quant_matmul(x, w, None, ws), x, w, ws)
+    else:
+        x = SD((m, k), wdt)
+        text = lower_for_cuda(quant_matmul, x, w, SD((m,), F32), ws)
+    st = default_settings(m, n, k, 8, x.dtype.itemsize)
+    assert "__gpu$xla.gpu.triton" in text
+    assert f"grid_x = {n // st['bn']}" in text and f"grid_y = {st['k_splits']}" in text
+
+
+@pytest.mark.parametrize("m", [1, 64])
+@pytest.mark.parametrize("proj", list(SHAPES_8B))
+@pytest.mark.parametrize("group", [32, 128])
+def test_w4a16_lowers_at_8b_shapes(proj, m, group):
+    n, k = SHAPES_8B[proj]
+    fn = functools.partial(quant_matmul_int4, group=group)
+    text = lower_for_cuda(fn, SD((m, k), BF16), SD((n, k // 2), jnp.uint8),
+                          SD((n, k // group), F32), SD((n, k // group), F32))
+    st = default_settings(m, n, k, 4, 2, group=group)
+    assert "__gpu$xla.gpu.triton" in text
+    assert f"grid_x = {n // st['bn']}" in text and f"grid_y = {st['k_splits']}" in text
