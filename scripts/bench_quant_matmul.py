@@ -12,6 +12,18 @@ its remaining cases (the default options' autotuning of fp8 GEMMs is what is pro
 
     python3 scripts/bench_quant_matmul.py [--variants no_triton,default] [--ms 1,8,4096]
 
+--pallas adds the small-M Pallas kernels (pallas_kernels/quant_matmul.py) beside them,
+at M = 1, 8, 16, 64 under the no_triton options unless --ms / --variants say: the
+W8A8 layer path with the kernel in place of XLA's dot (pallas_fp8, pallas_int8), and
+W4A16 with groups of 128 through XLA (xla_w4: grouped_dequant_matmul) and the kernel
+(pallas_w4). Rows then also print the weight's GB/s (weight and scales over the run
+time), and the Pallas rows the kernel's largest error against its plain-jnp reference
+on the same inputs (relative to the largest output), so the kernels' first runs on a
+GPU check their numbers too. --pallas-settings '{"block_n":
+64, "num_stages": 3}' passes tile settings to the kernels (a sweep by hand).
+
+    python3 scripts/bench_quant_matmul.py --pallas [--pallas-settings JSON]
+
 JSON to $OUT/bench_quant_matmul.json when OUT is set.
 """
 from __future__ import annotations
@@ -30,14 +42,17 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from jaxllm.layers.quantization.linear import (  # noqa: E402
-    native_dot, quantize_per_token, quantized_matmul)
-from jaxllm.layers.quantization.schemes import ActScheme  # noqa: E402
+    grouped_dequant_matmul, native_dot, quantize_per_token, quantized_matmul)
+from jaxllm.layers.quantization.schemes import ActScheme, LinearScheme  # noqa: E402
+from pallas_kernels import quant_matmul as qmm  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336)}
 VARIANTS = {"default": {}, "no_triton": {"xla_gpu_enable_triton_gemm": False},
             "autotune0": {"xla_gpu_autotune_level": 0}}
 STORE = {"fp8": jnp.float8_e4m3fn, "int8": jnp.int8}
+PALLAS_KINDS = ("pallas_fp8", "pallas_int8", "xla_w4", "pallas_w4")
+W4_GROUP = 128
 
 
 def time_us(fn, *args, reps=200) -> float:
@@ -61,42 +76,106 @@ def w8a8(dtype: str):
     return f
 
 
+def pallas_w8a8(dtype: str, settings: dict):
+    """The W8A8 layer path with the Pallas kernel for the dot."""
+    act = ActScheme(dtype=dtype, dynamic=True)
+
+    def f(x, wq, ws):
+        xq, xs = quantize_per_token(x, 1, act)
+        return qmm.quant_matmul(xq, wq, xs, ws, out_dtype=x.dtype, **settings)
+    return f
+
+
+def w4(pallas: bool, settings: dict):
+    scheme = LinearScheme("uint4", group=W4_GROUP)
+
+    def f(x, wq, s, z):
+        if pallas:
+            return qmm.quant_matmul_int4(x, wq, s, z, group=W4_GROUP, **settings)
+        return grouped_dequant_matmul(x, wq, s, z, None, scheme, 1).astype(x.dtype)
+    return f
+
+
+def w4_args(x, n, k, key):
+    kq, ks, kz = jax.random.split(key, 3)
+    wq = jax.random.randint(kq, (n, k // 2), 0, 256, jnp.int32).astype(jnp.uint8)
+    s = jax.random.uniform(ks, (n, k // W4_GROUP), jnp.float32, 0.001, 0.004)
+    z = jnp.round(jax.random.uniform(kz, (n, k // W4_GROUP), jnp.float32, 0.0, 15.0))
+    return x, wq, s, z
+
+
+def pallas_error(kind, args, settings) -> float:
+    """Largest |kernel - reference| over the largest |reference|, on the same inputs
+    (the W8A8 input quantized once, outside both)."""
+    if kind == "pallas_w4":
+        got = w4(True, settings)(*args)
+        want = qmm.ref_quant_matmul_int4(*args, group=W4_GROUP)
+    else:
+        x, wq, ws = args
+        xq, xs = quantize_per_token(x, 1, ActScheme(dtype=kind[7:], dynamic=True))
+        got = qmm.quant_matmul(xq, wq, xs, ws, out_dtype=jnp.float32, **settings)
+        want = qmm.ref_quant_matmul(xq, wq, xs, ws, out_dtype=jnp.float32)
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
+
+
 def bf16(x, w):
     return jnp.einsum("tk,nk->tn", x, w, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
-def case(kind, m, n, k, options, key):
+def case(kind, m, n, k, options, key, settings=None):
     kx, kw = jax.random.split(key)
     x = jax.random.normal(kx, (m, k), jnp.bfloat16)
     w = (jax.random.normal(kw, (n, k), jnp.float32) * 0.02)
     if kind == "bf16":
         fn, args = bf16, (x, w.astype(jnp.bfloat16))
+    elif kind in ("xla_w4", "pallas_w4"):
+        fn, args = w4(kind == "pallas_w4", settings or {}), w4_args(x, n, k, kw)
     else:
-        scale = jnp.max(jnp.abs(w), axis=1) / (448.0 if kind == "fp8" else 127.0)
+        dtype = kind.removeprefix("pallas_")
+        scale = jnp.max(jnp.abs(w), axis=1) / (448.0 if dtype == "fp8" else 127.0)
         wq = w / scale[:, None]
-        wq = jnp.round(wq) if kind == "int8" else wq
-        fn, args = w8a8(kind), (x, wq.astype(STORE[kind]), scale)
+        wq = jnp.round(wq) if dtype == "int8" else wq
+        fn = pallas_w8a8(dtype, settings or {}) if kind.startswith("pallas") else w8a8(dtype)
+        args = (x, wq.astype(STORE[dtype]), scale)
     # jit's C++ dispatch (a few us) keeps small-M rows about the GPU, not the call.
     jitted = jax.jit(fn, compiler_options=options or None)
     t0 = time.perf_counter()
     jitted.lower(*args).compile()
     compile_s = time.perf_counter() - t0
     us = time_us(jitted, *args)
-    return {"compile_s": round(compile_s, 2), "us": round(us, 1),
-            "tflops": round(2 * m * n * k / us / 1e6, 1)}
+    r = {"compile_s": round(compile_s, 2), "us": round(us, 1),
+         "tflops": round(2 * m * n * k / us / 1e6, 1)}
+    # The weight and its scales, read once a call: what bounds the small-M rows.
+    r["weight_gbps"] = round(sum(a.nbytes for a in args[1:]) / us / 1e3, 1)
+    if kind.startswith("pallas"):
+        r["max_rel_err"] = pallas_error(kind, args, settings or {})
+    return r
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--variants", default="no_triton,default")
-    ap.add_argument("--ms", default="1,8,64,256,4096")
-    ap.add_argument("--kinds", default="bf16,fp8,int8")
+    ap.add_argument("--variants", default=None, help="default: no_triton,default "
+                    "(no_triton with --pallas)")
+    ap.add_argument("--ms", default=None, help="default: 1,8,64,256,4096 (1,8,16,64 "
+                    "with --pallas)")
+    ap.add_argument("--kinds", default=None, help="default: bf16,fp8,int8 (and "
+                    f"{','.join(PALLAS_KINDS)} with --pallas)")
     ap.add_argument("--compile-budget", type=float, default=90.0)
+    ap.add_argument("--pallas", action="store_true", help="the Pallas kernels too")
+    ap.add_argument("--pallas-settings", default="{}", help="JSON of tile settings")
     args = ap.parse_args()
+    args.variants = args.variants or ("no_triton" if args.pallas else "no_triton,default")
+    args.ms = args.ms or ("1,8,16,64" if args.pallas else "1,8,64,256,4096")
+    args.kinds = args.kinds or ("bf16,fp8,int8" + (
+        "," + ",".join(PALLAS_KINDS) if args.pallas else ""))
+    settings = json.loads(args.pallas_settings)
+    kw = max(5, *map(len, args.kinds.split(",")))    # the kind column's width
     rows, key = [], jax.random.PRNGKey(0)
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
-    print(f"{'variant':>10} {'kind':>5} {'proj':>8} {'M':>5} {'compile s':>9} "
-          f"{'us':>9} {'TFLOP/s':>8} {'x bf16':>7}")
+    print(f"{'variant':>10} {'kind':>{kw}} {'proj':>8} {'M':>5} {'compile s':>9} "
+          f"{'us':>9} {'TFLOP/s':>8} {'x bf16':>7}" + ("    GB/s  max err" if args.pallas
+                                                     else ""))
     for variant in args.variants.split(","):
         spent = 0.0
         base = {}
@@ -106,9 +185,9 @@ def main():
                     if kind != "bf16" and spent > args.compile_budget:
                         continue
                     try:
-                        r = case(kind, m, n, k, VARIANTS[variant], key)
+                        r = case(kind, m, n, k, VARIANTS[variant], key, settings)
                     except Exception as e:      # one failure costs one row
-                        print(f"{variant:>10} {kind:>5} {proj:>8} {m:>5} FAILED {e!r:.200}")
+                        print(f"{variant:>10} {kind:>{kw}} {proj:>8} {m:>5} FAILED {e!r:.200}")
                         continue
                     spent += r["compile_s"] if kind != "bf16" else 0.0
                     if kind == "bf16":
@@ -116,8 +195,11 @@ def main():
                     ratio = base.get((proj, m), float("nan")) / r["us"]
                     rows.append({"variant": variant, "kind": kind, "proj": proj, "m": m, **r,
                                  "speedup_vs_bf16": round(ratio, 3)})
-                    print(f"{variant:>10} {kind:>5} {proj:>8} {m:>5} {r['compile_s']:>9.2f} "
-                          f"{r['us']:>9.1f} {r['tflops']:>8.1f} {ratio:>7.2f}", flush=True)
+                    extra = (f" {r.get('weight_gbps', float('nan')):>7.0f} "
+                             f"{r.get('max_rel_err', float('nan')):>8.1e}" if args.pallas else "")
+                    print(f"{variant:>10} {kind:>{kw}} {proj:>8} {m:>5} {r['compile_s']:>9.2f} "
+                          f"{r['us']:>9.1f} {r['tflops']:>8.1f} {ratio:>7.2f}{extra}",
+                          flush=True)
         if spent > args.compile_budget:
             print(f"{variant}: quantized compiles passed the {args.compile_budget:.0f} s "
                   f"budget ({spent:.1f} s); later cases skipped")
