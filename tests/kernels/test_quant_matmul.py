@@ -231,3 +231,21 @@ def test_w4a16_lowers_at_8b_shapes(proj, m, group):
     st = default_settings(m, n, k, 4, 2, group=group)
     assert "__gpu$xla.gpu.triton" in text
     assert f"grid_x = {n // st['bn']}" in text and f"grid_y = {st['k_splits']}" in text
+
+
+@pytest.mark.parametrize("settings", [dict(dot_dtype=jnp.float8_e4m3fn),
+                                      dict(block_n=128, block_k=512, num_stages=2),
+                                      dict(block_n=32, block_k=128, k_splits=8)], ids=str)
+def test_sweep_settings_lower(settings):
+    """Settings a GPU sweep may try at o's shape, M = 8 (fp8 x fp8 as an fp8 dot)."""
+    fp8 = STORE["fp8"]
+    text = lower_for_cuda(functools.partial(quant_matmul, **settings), SD((8, 4096), fp8),
+                          SD((4096, 4096), fp8), SD((8,), F32), SD((4096,), F32))
+    assert "__gpu$xla.gpu.triton" in text
+
+
+def test_weight_only_f16_dot_lowers():
+    fn = functools.partial(quant_matmul, dot_dtype=jnp.float16)
+    text = lower_for_cuda(lambda x, w, ws: fn(x, w, None, ws), SD((8, 4096), BF16),
+                          SD((4096, 4096), jnp.int8), SD((4096,), F32))
+    assert "__gpu$xla.gpu.triton" in text
