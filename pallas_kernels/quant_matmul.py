@@ -136,8 +136,6 @@ def default_settings(m, n, k, w_bits, x_itemsize, group=None, block_n=None, bloc
     measured yet: the keywords are there for a GPU sweep."""
     mp = max(16, common.next_pow2(m))
     bk = block_k or min(256, max(32, common.next_pow2(k)))
-    if group is not None:
-        bk = max(bk, 32)
     bn = block_n or (128 if common.cdiv(n, 128) >= common.num_sms() else 64)
     bn = min(bn, max(16, common.next_pow2(n)))
     warps = num_warps or max(4, min(8, bn // 16))
