@@ -10,6 +10,13 @@ as the engine passes it, and metadata already on the device) and launch-to-ready
 
     python3 scripts/bench_sampled_latency.py --compile-cache DIR
 
+`--sampler-only` skips the engine and times the sampler program alone at S = 1, 8,
+64 rows (bf16 values in f32 logits, as the step hands them over): greedy, temperature
+only, and temperature 0.8 / top_p 0.95 / top_k 50 with the filters by the sort twin,
+the radix search and the block path; then each filter alone (the block path at three
+block sizes), and whether the block path kept the sort's set on this device.
+`--vocab 4096 --quick` runs it in seconds on a CPU.
+
 JSON to $OUT/bench_sampled_latency.json when OUT is set.
 """
 from __future__ import annotations
@@ -106,6 +113,81 @@ def sampler_alone(runner, vocab: int, n: int = 100) -> dict:
     return out
 
 
+def _launch_to_ready(fn, args, n: int) -> float:
+    """Median microseconds from the call to its result ready, inputs ready before."""
+    import jax
+    times = []
+    for _ in range(n + 1):
+        jax.block_until_ready(args)
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return round(1e6 * statistics.median(times[1:]), 1)
+
+
+def _sampler_variants(rows: int, vocab: int):
+    """name -> (filter replacing the block path or the radix search or None, params)."""
+    from jaxllm import SamplingParams
+    from jaxllm.runner import top_k_top_p as tkp
+    filt = [SamplingParams(temperature=0.8, top_p=0.95, top_k=50, seed=i) for i in range(rows)]
+    return {"greedy": (None, [SamplingParams(temperature=0)] * rows),
+            "temperature": (None, [SamplingParams(temperature=0.8, seed=i) for i in range(rows)]),
+            "filters_sort": (tkp.ref_apply_top_k_top_p, filt),
+            "filters_radix": (tkp.apply_top_k_top_p, filt),
+            "filters_blocks": (None, filt)}
+
+
+def sampler_table(vocab: int, row_counts, n: int) -> dict:
+    """Launch-to-ready of the whole sampler program and of each filter alone, us."""
+    import functools
+    import jax
+    import jax.numpy as jnp
+    from jaxllm.runner import sampler
+    from jaxllm.runner import top_k_top_p as tkp
+    res = {}
+    for rows in row_counts:
+        x = np.random.default_rng(rows).normal(size=(rows, vocab)) * 4
+        logits = jax.device_put(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
+        for name, (filt, params) in _sampler_variants(rows, vocab).items():
+            md, flags = sampler.SamplingMetadata.from_params(params, [0] * rows, None, None,
+                                                             rows, vocab)
+            if filt is not None:     # the general program, its filter swapped while traced
+                flags = sampler.SamplerFlags(**{**flags.__dict__, "small_top_k": False})
+            saved = sampler.apply_top_k_top_p
+            sampler.apply_top_k_top_p = filt or saved
+            md = jax.device_put(md)
+            try:
+                # All outputs, as the engine's program has them (logprob and rank too).
+                program = jax.jit(lambda a, m, f=flags: sampler.sample(a, m, f))
+                program = program.lower(logits, md).compile()
+            finally:
+                sampler.apply_top_k_top_p = saved
+            res[f"S{rows}/sample/{name}"] = _launch_to_ready(program, (logits, md), n)
+        top_k = jnp.full((rows,), 50, jnp.int32)
+        top_p = jnp.full((rows,), 0.95, jnp.float32)
+        filters = {"sort": tkp.ref_apply_top_k_top_p, "radix": tkp.apply_top_k_top_p}
+        for block in (32, 64, 128):
+            filters[f"blocks{block}"] = functools.partial(tkp.apply_small_top_k_top_p,
+                                                          block=block)
+        kept = {}
+        for name, fn in filters.items():
+            f = jax.jit(fn)
+            kept[name] = np.isfinite(np.asarray(f(logits, top_k, top_p)))
+            res[f"S{rows}/filter/{name}"] = _launch_to_ready(f, (logits, top_k, top_p), n)
+        res[f"S{rows}/blocks_kept_sort_set"] = all(
+            bool((kept[k] == kept["sort"]).all()) for k in kept if k.startswith("blocks"))
+    return res
+
+
+def print_sampler_table(res: dict, row_counts) -> None:
+    names = sorted({k.split("/", 1)[1] for k in res}, key=lambda k: (k.count("kept"), k))
+    print(f"{'launch-to-ready median, us':34s}" + "".join(f"{'S=' + str(r):>10s}"
+                                                           for r in row_counts))
+    for name in names:
+        print(f"{name:34s}" + "".join(f"{str(res.get(f'S{r}/{name}')):>10s}"
+                                      for r in row_counts))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="configs/models/llama-3.1-8b")
@@ -113,7 +195,17 @@ def main():
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--sampler-only", action="store_true", help="the sampler table alone")
+    ap.add_argument("--vocab", type=int, default=128_256, help="for --sampler-only")
+    ap.add_argument("--quick", action="store_true", help="--sampler-only: 5 runs, not 200")
     args = ap.parse_args()
+    if args.sampler_only:
+        row_counts = (1, 8, 64)
+        res = {"sampler_table": sampler_table(args.vocab, row_counts, 5 if args.quick else 200)}
+        _write(res)
+        print(json.dumps(res, indent=1))
+        print_sampler_table(res["sampler_table"], row_counts)
+        return
     from jaxllm import LLM, compilation_cache
     from jaxllm.models.loader import read_hf_config
     compilation_cache.enable(args.compile_cache)
@@ -122,14 +214,19 @@ def main():
               max_num_seqs=256)
     res = {"engine": engine_runs(llm, vocab, args.repeat),
            "sampler_alone_8_rows": sampler_alone(llm.llm_engine.runner, vocab)}
-    out = os.environ.get("OUT")
-    if out:
-        with open(os.path.join(out, "bench_sampled_latency.json"), "w") as f:
-            json.dump(res, f, indent=1)
+    _write(res)
     print(json.dumps(res, indent=1))
     for name, r in res["engine"].items():
         print(f"{name:12s} {r['ms']:7.1f} ms  {r['ratio']:.3f}x greedy  phases (us/step): "
               + ", ".join(f"{p} {v}" for p, v in r["phase_us_median"].items()))
+
+
+
+def _write(res: dict) -> None:
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "bench_sampled_latency.json"), "w") as f:
+            json.dump(res, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -107,22 +107,23 @@ def _top_blocks(logits: jax.Array, block: int):
 
 def _small_thresholds(cand, floor, n_floor, row_max, k, top_p) -> jax.Array:
     """The kept set's lowest value per row, for rows with k <= G (see
-    apply_small_top_k_top_p). The tokens equal to the floor are one group of n_floor
-    that is either wholly in the top-k or wholly out."""
+    apply_small_top_k_top_p). The top-k is the G largest candidates above its k-th
+    largest value, fewer than k, and every token tied with that value: candidates, or
+    the n_floor tokens of the floor when it is the floor."""
     g = MAX_SMALL_TOP_K
     top = jax.lax.top_k(cand, g)[0]                # descending; -inf past the tokens
     kth = jnp.take_along_axis(top, jnp.minimum(k, g)[:, None] - 1, axis=-1)[:, 0]
     kth = jnp.maximum(kth, floor)                  # fewer than k above the floor
-    e = jnp.where(cand >= kth[:, None], jnp.exp(cand - row_max[:, None]), 0.0)
-    e_floor = jnp.where(floor >= kth, n_floor * jnp.exp(floor - row_max), 0.0)
-    z = jnp.sum(e, axis=-1) + e_floor
-    probs = e / z[:, None]
-    # Every value of the top-k is in `top` or is the floor; a value's mass below is
-    # what the twin's ascending cumulative sum holds just before it.
-    below = (e_floor / z)[:, None] + jnp.sum(
-        jnp.where(cand[:, None, :] < top[:, :, None], probs[:, None, :], 0.0), axis=-1)
-    ok = (top >= kth[:, None]) & (below <= (1.0 - top_p)[:, None])
-    # No value passing (a cut inside the floor group) leaves the k-th largest.
+    ties = jnp.sum(cand == kth[:, None], axis=-1) + jnp.where(floor == kth, n_floor, 0)
+    e_top = jnp.where(top > kth[:, None], jnp.exp(top - row_max[:, None]), 0.0)
+    e_kth = ties * jnp.exp(kth - row_max)
+    z = jnp.sum(e_top, axis=-1) + e_kth
+    # A value's mass below is what the twin's ascending cumulative sum holds just
+    # before it: the k-th largest's ties, then the smaller values above them.
+    below = (e_kth / z)[:, None] + jnp.sum(jnp.where(
+        top[:, None, :] < top[:, :, None], (e_top / z[:, None])[:, None, :], 0.0), axis=-1)
+    ok = (top > kth[:, None]) & (below <= (1.0 - top_p)[:, None])
+    # With no value above it passing, the cut falls on the k-th largest's ties.
     return jnp.maximum(kth, jnp.max(jnp.where(ok, top, -jnp.inf), axis=-1))
 
 

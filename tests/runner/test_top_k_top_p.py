@@ -73,7 +73,7 @@ def _small_case(seed, rows, vocab, bf16):
     top_k = rng.integers(1, MAX_SMALL_TOP_K + 1, rows).astype(np.int32)
     top_p = rng.uniform(0.02, 1.0, rows).astype(np.float32)
     for i in range(rows):
-        kind = (i + seed) % 7
+        kind = (i + seed) % 8
         if kind == 1:                  # a grammar bitmask: few tokens allowed
             logits[i, rng.random(vocab) < 0.9] = -np.inf
         elif kind == 2:                # fewer allowed tokens than top_k
@@ -92,6 +92,9 @@ def _small_case(seed, rows, vocab, bf16):
             logits[i, :7] = -200.0     # probability 0 in f32: the twin drops them
         elif kind == 6:
             top_p[i] = rng.choice([1.0, 1e-7])
+        elif kind == 7:                # the k-th largest tied with more than G, above
+            logits[i, 64:264] = logits[i].max() + 1      # the floor, in a few blocks
+            top_k[i] = 10
     if bf16:        # bf16 logits: many exact ties, also at the thresholds
         logits = np.array(jnp.asarray(logits).astype(jnp.bfloat16).astype(jnp.float32))
     return jnp.asarray(logits), jnp.asarray(top_k), jnp.asarray(top_p)
