@@ -14,6 +14,7 @@ that could contain a newly completed stop string.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -34,8 +35,8 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], params: SamplingParams):
-        self._decode, self._vocab_size = _decoder(tokenizer)
         self.skip_special_tokens = params.skip_special_tokens
+        self._decode, self._vocab_size = _decoder(tokenizer, self.skip_special_tokens)
         self.stop: list[str] = list(params.stop or [])
         self.include_stop_str_in_output = params.include_stop_str_in_output
         self.min_tokens = params.min_tokens
@@ -86,15 +87,15 @@ class IncrementalDetokenizer:
         """Append one token to the window; return the newly stable text."""
         if not 0 <= token_id < self._vocab_size:
             return ""  # e.g. an id from the padded part of the model's vocab
-        self._ids.append(token_id)
-        prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset],
-                                   self.skip_special_tokens)
-        new_text = self._decode(self._ids[self._prefix_offset:], self.skip_special_tokens)
+        ids, decode, start = self._ids, self._decode, self._prefix_offset
+        ids.append(token_id)
+        prefix_text = decode(ids[start:self._read_offset])
+        new_text = decode(ids[start:])
         if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT_CHAR):
             # Nothing new yet (a skipped special token) or a partial UTF-8 char: keep
             # the offsets so the next token is decoded together with this one.
             return ""
-        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        self._prefix_offset, self._read_offset = self._read_offset, len(ids)
         return new_text[len(prefix_text):]
 
     def _check_stop_strings(self, new_char_count: int) -> str | None:
@@ -117,12 +118,14 @@ class IncrementalDetokenizer:
         return stop_str
 
 
-def _decoder(tokenizer: Any) -> tuple[Callable[[list[int], bool], str], int]:
-    """(decode(ids, skip_special_tokens) -> str, vocab size incl. added tokens)."""
+def _decoder(tokenizer: Any, skip_special_tokens: bool) -> tuple[Callable[[list[int]], str], int]:
+    """(decode(ids) -> str, vocab size incl. added tokens)."""
     backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
     if hasattr(backend, "get_vocab_size") and hasattr(backend, "decode"):
         # The Rust tokenizer directly: no Python wrapper cost per token, and no
-        # clean_up_tokenization_spaces, which vLLM's incremental path skips too.
+        # clean_up_tokenization_spaces, which vLLM's incremental path skips too. A
+        # partial of the bound method: no Python frame per call (two calls a token).
         size = backend.get_vocab_size(with_added_tokens=True)
-        return (lambda ids, skip: backend.decode(ids, skip_special_tokens=skip)), size
-    return (lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip)), len(tokenizer)
+        return functools.partial(backend.decode, skip_special_tokens=skip_special_tokens), size
+    return functools.partial(tokenizer.decode, skip_special_tokens=skip_special_tokens), \
+        len(tokenizer)

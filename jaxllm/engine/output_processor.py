@@ -125,8 +125,7 @@ class OutputProcessor:
             finish_stopped(stopped)
         make = self._make_delta if delta else self._make_output
         return [make(g) for g in touched.values()
-                if g.params.output_kind is not RequestOutputKind.FINAL_ONLY
-                or all(s.request.is_finished() for s in g.samples)]
+                if g.params.output_kind is not RequestOutputKind.FINAL_ONLY or _finished(g)]
 
     def _record_prompt_logprobs(self, per_request: dict) -> None:
         for sid, rows in per_request.items():
@@ -152,7 +151,7 @@ class OutputProcessor:
                 res.token_id == req.eos_token_id
                 or res.token_id in (req.sampling_params.stop_token_ids or ())):
             return False     # vLLM's: the stopping token's text is not output
-        stop = sample.detok.update([res.token_id])
+        stop = sample.detok.update((res.token_id,))
         if stop is not None and not req.is_finished():
             req.stop_reason = stop
             return True
@@ -204,11 +203,20 @@ class OutputProcessor:
                 pack_metrics(group.metrics))
 
     def _retire_if_finished(self, group: _Group) -> bool:
-        finished = all(s.request.is_finished() for s in group.samples)
+        finished = _finished(group)
         if finished:
             group.metrics.finished_time = time.time()
             self.abort_request(group.request_id)
         return finished
+
+
+def _finished(group: _Group) -> bool:
+    """Every sample finished (a loop, not all() over a generator: asked of every
+    request every step)."""
+    for s in group.samples:
+        if not s.request.is_finished():
+            return False
+    return True
 
 
 def _num_cached(group: _Group) -> int:

@@ -48,15 +48,20 @@ def read_back(handle: StepHandle):
     the results of its rows up to the first whose sample differs from the draft it
     verifies, that one included (see accept_drafts)."""
     out = jax.device_get(handle.sampled)
+    # Python lists first: indexing the arrays row by row made a numpy scalar per value
+    # (0.15 against 0.08 ms of CPU at 256 rows).
+    token_ids, logprobs, ranks = (out.token_ids.tolist(), out.logprobs.tolist(),
+                                  out.sampled_rank.tolist())
+    top_ids = top_lps = None
+    if handle.num_logprobs:
+        top_ids, top_lps = out.top_logprob_ids.tolist(), out.top_logprobs.tolist()
     scheduled, results = handle.scheduled, {}
     for i, r in enumerate(scheduled):
         if not r.do_sample:
             continue
-        res = SampleResult(int(out.token_ids[i]), float(out.logprobs[i]),
-                           int(out.sampled_rank[i]))
-        if handle.num_logprobs:
-            res.top_ids = out.top_logprob_ids[i].tolist()
-            res.top_logprobs = out.top_logprobs[i].tolist()
+        res = SampleResult(token_ids[i], logprobs[i], ranks[i])
+        if top_ids is not None:
+            res.top_ids, res.top_logprobs = top_ids[i], top_lps[i]
         results[r.request_id if handle.spec is None else i] = res
     if handle.spec is not None:
         results = accept_drafts(results, scheduled, handle.spec)
