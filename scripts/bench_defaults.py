@@ -8,8 +8,8 @@
      greedy, runs interleaved;
   4. the attention kernels at each dtype x head_dim (f32, f16, bf16 x 64, 128, 256)
      against their references, and an f32 engine step at head_dim 128;
-  5. the sampler alone at vocab 128,256: greedy, filters by the sort-based twin and by
-     the radix search at 1, 2 and 4 bits per pass.
+  5. the sampler alone at vocab 128,256: greedy, filters by the sort-based twin, by
+     the radix search at 1, 2 and 4 bits per pass, and by the block path.
 
     python3 scripts/bench_defaults.py --compile-cache DIR
 
@@ -153,9 +153,12 @@ def bench_sampler(vocab=128_256) -> dict:
         for bits in (1, 2, 4):
             variants[f"filters_radix{bits}"] = (
                 filt, lambda x, k, p, b=bits: top_k_top_p.apply_top_k_top_p(x, k, p, b))
+        variants["filters_blocks"] = (filt, None)
         for name, (params, filt_fn) in variants.items():
             md, flags = sampler.SamplingMetadata.from_params(params, [0] * rows, None, None,
                                                              rows, vocab)
+            if filt_fn is not None:     # the general program, with its filter swapped
+                flags = dataclasses.replace(flags, small_top_k=False)
             md = dataclasses.replace(md, **{f.name: jnp.asarray(getattr(md, f.name))
                                             for f in dataclasses.fields(md)})
             if filt_fn is not None:
