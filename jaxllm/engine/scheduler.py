@@ -250,7 +250,8 @@ class Scheduler:
             if num_new == 0 or reaches_length_cap(request, self.max_model_len):
                 i += 1   # its in-flight token is its last (or nothing to do yet)
                 continue
-            spec = spec_tokens_to_verify(request, num_new, budget, self.max_model_len)
+            spec = request.spec_token_ids and spec_tokens_to_verify(
+                request, num_new, budget, self.max_model_len)
             lookahead = self.num_lookahead_tokens if spec else 0
             if not self._allocate_or_preempt(request, num_new + len(spec) + lookahead, out):
                 break  # it preempted itself: it was the last running request
@@ -358,17 +359,18 @@ class Scheduler:
                        spec: list[int] = ()) -> None:
         start = request.num_computed_tokens
         end = start + num_new
-        known = request.all_token_ids[start:min(end, request.num_tokens)]
-        do_sample = end == request.num_tokens + request.num_output_placeholders
+        all_ids, pending = request.all_token_ids, request.num_output_placeholders
+        num_tokens = len(all_ids)
+        spec = list(spec)
+        # A decode step behind an async one knows none of its tokens yet: the common
+        # case at a large batch, built without slicing.
+        token_ids = [PLACEHOLDER_TOKEN_ID] * num_new if start >= num_tokens else (
+            all_ids[start:min(end, num_tokens)] + [PLACEHOLDER_TOKEN_ID] * max(end - num_tokens, 0))
+        do_sample = end == num_tokens + pending
         out.scheduled.append(ScheduledRequest(
-            request_id=request.request_id,
-            token_ids=known + [PLACEHOLDER_TOKEN_ID] * (num_new - len(known)) + list(spec),
-            num_computed_tokens=start,
-            block_table=self.kv_cache_manager.get_block_table(request),
-            do_sample=do_sample,
-            output_index=request.num_output_tokens + request.num_output_placeholders,
-            spec_token_ids=list(spec),
-        ))
+            request.request_id, token_ids + spec if spec else token_ids, start,
+            self.kv_cache_manager.get_block_table(request), do_sample,
+            request.num_output_tokens + pending, spec))
         out.num_batched_tokens += num_new + len(spec)
         # Drafts count as computed until update_from_output rejects some; cache_blocks
         # only registers blocks of known tokens, never a draft.
