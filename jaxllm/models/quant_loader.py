@@ -199,7 +199,16 @@ class QuantWeights:
         w = self.float_array(module)                       # [K..., N...]
         w = np.moveaxis(w, tuple(range(nk)), tuple(range(w.ndim - nk, w.ndim)))
         q, s = quantize_per_channel(w, nk, scheme.weight)
-        return {"weight": q, "weight_scale": s}
+        arrays = {"weight": q, "weight_scale": s}
+        if scheme.act is not None and not scheme.act.symmetric:
+            arrays["azp_adj"] = azp_adj(q, nk)
+        return arrays
+
+
+def azp_adj(q: np.ndarray, nk: int) -> np.ndarray:
+    """The int8 weight's sums over K [N...] (vLLM's azp_adj), which an asymmetric
+    input's zero point multiplies; exact in f32 up to 131,072 columns (128 K < 2**24)."""
+    return q.astype(np.int64).sum(axis=tuple(range(q.ndim - nk, q.ndim))).astype(np.float32)
 
 
 def quantize_per_channel(w: np.ndarray, nk: int, kind: str):
@@ -249,6 +258,8 @@ def dummy_fill(name: str, dtype, quant: QuantConfig | None = None) -> tuple[str,
         return "bytes", 255.0
     if leaf == "weight_zero_point":               # uint4's midpoint
         return "const", 8.0
+    if leaf == "azp_adj":     # the sums of weights uniform in +-127: zero on average
+        return "const", 0.0
     if leaf == "weight_scale":
         module = ".".join([p for p in name.split(".") if p and p != "value"][:-1])
         scheme = quant.scheme(module) if quant is not None else None

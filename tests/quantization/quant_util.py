@@ -166,7 +166,8 @@ def _fake_quant(x, kind: str, scale):
 
 
 def act_hook(kind: str, mode: str, static_scale=None, group: int = 128):
-    """A forward pre-hook quantizing a Linear's input: mode token | tensor | group."""
+    """A forward pre-hook quantizing a Linear's input: mode token | token_asym | tensor
+    | group."""
     qmax = 448.0 if kind == "fp8" else 127.0
 
     def hook(mod, args):
@@ -177,6 +178,11 @@ def act_hook(kind: str, mode: str, static_scale=None, group: int = 128):
             g = x.unflatten(-1, (-1, group))
             s = (g.abs().amax(-1, keepdim=True) / qmax).clamp_min(1e-12)
             return (_fake_quant(g, kind, s).flatten(-2),)
+        if mode == "token_asym":      # int8 with a zero point per token (vLLM's azp)
+            lo, hi = x.amin(-1, keepdim=True).clamp_max(0), x.amax(-1, keepdim=True).clamp_min(0)
+            s = ((hi - lo) / 255).clamp_min(1e-12)
+            z = torch.round(-128 - lo / s)
+            return ((((x / s).round() + z).clamp(-128, 127) - z) * s,)
         s = (x.abs().amax(-1, keepdim=True) / qmax).clamp_min(1e-12)
         return (_fake_quant(x, kind, s),)
     return hook

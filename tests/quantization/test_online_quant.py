@@ -1,8 +1,9 @@
 """--quantization fp8 | int8 on a float checkpoint (vLLM's online FP8 and its int8
 twin): per-output-channel weights quantized at load (RTN, amax / 448 or amax / 127),
-per-token activation scales in the layer. Oracle: HF transformers (float32) with
-every projection's weight quantized and dequantized per channel in torch and its input
-quantized per token in a hook. Also: the setting is auto-detected from
+per-token activation scales in the layer (int8: and a zero point per token). Oracle:
+HF transformers (float32) with every projection's weight quantized and dequantized per
+channel in torch and its input quantized per token in a hook. Embeddings and lm_head
+(tied or not) stay float, as in vLLM. Also: the setting is auto-detected from
 quantization_config, and a checkpoint's own method may be named."""
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ def rtn_hf(hf, kind: str):
             w = m.weight.data
             s = (w.abs().amax(dim=1, keepdim=True) / qmax).clamp_min(1e-12)
             m.weight.data = qu._fake_quant(w, kind, s)
-            m.register_forward_pre_hook(qu.act_hook(kind, "token"))
+            m.register_forward_pre_hook(
+                qu.act_hook(kind, "token_asym" if kind == "int8" else "token"))
     return model
 
 
@@ -56,6 +58,53 @@ def test_online_weights_are_per_channel_rtn(tiny_model):
     np.testing.assert_allclose(s, np.abs(w).max(axis=1) / 127, rtol=1e-6)
     np.testing.assert_array_equal(q, np.clip(np.round(w / s[:, None]), -128, 127))
     assert np.abs(q).max() == 127
+    adj = np.asarray(state[("layers", 1, "mlp", "down_proj", "azp_adj")].get_value())
+    np.testing.assert_array_equal(adj, q.astype(np.int64).sum(axis=1))
+
+
+@pytest.mark.parametrize("arch", ["llama", "llama_tied"])
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+def test_embeddings_and_lm_head_stay_float(tiny_model, arch, kind):
+    folder, _ = tiny_model(arch)
+    plain = dict(nnx.to_flat_state(load_model(folder, "float32").state))
+    loaded = load_model(folder, "float32", quantization=kind)
+    state = dict(nnx.to_flat_state(loaded.state))
+    names = [("embed_tokens",)] + ([] if arch == "llama_tied" else [("lm_head",)])
+    assert (("lm_head",) in state) == (arch == "llama")
+    for name in names:
+        got = np.asarray(state[name].get_value())
+        assert got.dtype == np.float32
+        np.testing.assert_array_equal(got, np.asarray(plain[name].get_value()))
+    assert {p.split(".")[0] for p, _ in loaded.quant.schemes} == {"layers"}
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+def test_prompt_logprobs_differ_from_float_by_the_quantization_error(tiny_model, kind):
+    """Teacher-forced logprobs of a prompt: the quantized model's equal the RTN
+    oracle's to float rounding, and differ from the float model's by much more (the
+    quantization error the oracle also has)."""
+    folder, hf = tiny_model("llama")
+    ids = qu.prompts(qu.shared().TINY_VOCAB, lens=(40,))[0]
+    ours = _prompt_logprobs(folder, ids, quantization=kind)
+    oracle, exact = _hf_logprobs(rtn_hf(hf, kind), ids), _hf_logprobs(hf, ids)
+    err = np.abs(ours - exact).mean()
+    assert np.abs(ours - oracle).mean() < err / 20, (np.abs(ours - oracle).mean(), err)
+    assert 1e-3 < err < 0.5
+
+
+def _prompt_logprobs(folder, ids, **kwargs):
+    from jaxllm import LLM, SamplingParams
+    llm = LLM(folder, dtype="float32", max_model_len=128, max_num_batched_tokens=64,
+              enforce_eager=True, cpu_kv_cache_bytes=8 << 20, **kwargs)
+    out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(
+        max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    return np.array([out.prompt_logprobs[i][t].logprob for i, t in enumerate(ids) if i])
+
+
+def _hf_logprobs(model, ids):
+    with torch.no_grad():
+        lp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+    return lp[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0].numpy()
 
 
 def test_auto_detected_and_confirmed(tmp_path):

@@ -53,9 +53,29 @@ def quantize_per_token(x, nk: int, act: ActScheme, input_scale=None):
     return quantize(x, act.dtype, scale.reshape(scale.shape + (1,) * nk)), scale
 
 
-def quantized_matmul(xq, x_scale, wq, w_scale, nk: int, native: bool):
+def quantize_per_token_asym(x, nk: int):
+    """x [T, K...] -> (int8 x, f32 scale [T], f32 zero point [T]), x ~= scale * (xq -
+    zero): vLLM's dynamic azp quantization, the token's [min, max] onto [-128, 127].
+    The range is widened to take in 0, so the zero point fits int8 and zeros (padding
+    rows) stay exactly zero."""
+    axes = tuple(range(x.ndim - nk, x.ndim))
+    xf = x.astype(jnp.float32)
+    lo = jnp.minimum(jnp.min(xf, axis=axes), 0.0)
+    hi = jnp.maximum(jnp.max(xf, axis=axes), 0.0)
+    scale = jnp.maximum((hi - lo) / (2 * INT8_MAX + 1), _MIN_SCALE)
+    zero = jnp.round(-INT8_MAX - 1 - lo / scale)
+    shape = scale.shape + (1,) * nk
+    xq = jnp.clip(jnp.round(xf / scale.reshape(shape)) + zero.reshape(shape),
+                  -INT8_MAX - 1, INT8_MAX)
+    return xq.astype(jnp.int8), scale, zero
+
+
+def quantized_matmul(xq, x_scale, wq, w_scale, nk: int, native: bool, x_zero=None,
+                     azp_adj=None):
     """xq [T, K...] times wq [N..., K...] contracting the K dims, then times
-    x_scale ([T] or scalar) and w_scale [N...]. f32 [T, N...]."""
+    x_scale ([T] or scalar) and w_scale [N...]. f32 [T, N...]. Asymmetric inputs:
+    x_zero [T] and azp_adj [N...] (the weight's sums over K) subtract
+    x_zero * sum_k wq, so the dot itself stays one on the quantized operands."""
     dims = ((tuple(range(xq.ndim - nk, xq.ndim)), tuple(range(wq.ndim - nk, wq.ndim))),
             ((), ()))
     if native:
@@ -64,6 +84,8 @@ def quantized_matmul(xq, x_scale, wq, w_scale, nk: int, native: bool):
     else:
         y = jax.lax.dot_general(xq.astype(jnp.float32), wq.astype(jnp.float32), dims,
                                 preferred_element_type=jnp.float32)
+    if x_zero is not None:
+        y = y - x_zero.reshape(x_zero.shape + (1,) * (y.ndim - 1)) * azp_adj
     x_scale = jnp.asarray(x_scale, jnp.float32)
     if x_scale.ndim:
         x_scale = x_scale.reshape(x_scale.shape + (1,) * (y.ndim - 1))
@@ -136,6 +158,8 @@ class QuantLinear(nnx.Module):
                                           out_sharding=out_axes + in_axes[:1])
         if scheme.act is not None and not scheme.act.dynamic:
             self.input_scale = nnx.Param(jnp.ones((), jnp.float32), out_sharding=())
+        if scheme.act is not None and not scheme.act.symmetric:
+            self.azp_adj = nnx.Param(jnp.zeros(out_shape, jnp.float32), out_sharding=out_axes)
 
     def __call__(self, x):
         s = self.scheme
@@ -150,6 +174,9 @@ class QuantLinear(nnx.Module):
                     ((), ()))
             y = jax.lax.dot_general(x, w.astype(x.dtype), dims,
                                     preferred_element_type=jnp.float32) * ws
+        elif not s.act.symmetric:
+            xq, xs, xz = quantize_per_token_asym(x, self.nk)
+            y = quantized_matmul(xq, xs, w, ws, self.nk, native_dot(), xz, self.azp_adj[...])
         else:
             xq, xs = quantize_per_token(x, self.nk, s.act,
                                         self.input_scale[...] if not s.act.dynamic else None)
