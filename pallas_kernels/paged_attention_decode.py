@@ -57,10 +57,11 @@ def default_dot_dtype(q_dtype, kv_dtype):
 
     Triton on sm90 widens e4m3 to f16 with one packed ``cvt.rn.f16x2.e4m3x2`` per two
     values, but to bf16 with that and a ``cvt.bf16.f16`` per value: 1.5 conversions per
-    KV element on the conversion pipe (16 results per clock per SM), which bounded the
-    kernel at B=64 ctx 2048 to the bf16 KV time (0.133 against 0.131 ms). f16 holds
-    every e4m3 value exactly and rounds the query finer than bf16 does; the query is
-    scaled by sm_scale * log2(e) first, so f16's range (65504) is not the limit."""
+    KV element on the slow conversion pipe. At B=64 ctx 8192 on the H200 (128 keys x 3
+    stages) fp8 KV took 0.461 ms with bf16 dots and 0.318 ms with f16 ones, against
+    0.520 ms for bf16 KV (scripts/bench_fp8_kv.py). f16 holds every e4m3 value exactly
+    and rounds the query finer than bf16 does; the query is scaled by sm_scale *
+    log2(e) first, so f16's range (65504) is not the limit."""
     if common.is_fp8(kv_dtype) and jnp.dtype(q_dtype).itemsize == 2:
         return jnp.dtype(jnp.float16)
     return jnp.dtype(q_dtype)
@@ -71,7 +72,8 @@ def default_settings(dp: int, bs: int, kv_itemsize: int) -> tuple[int, int]:
     (common.fit_kv_pipeline): the tuned 64 keys x 2 stages, and for fp8 KV 128 keys x
     3 stages. Half the bytes per key want more of them in flight: at B=64 ctx 8192 on
     the H200 (f16 dots, 4 warps) fp8 took 0.571 ms at 64 x 2, 0.380 at 64 x 3, 0.347
-    at 128 x 2, 0.320 at 128 x 3 and 0.488 at 256 x 2 (scripts/bench_fp8_kv.py)."""
+    at 128 x 2, 0.320 at 128 x 3, 0.321 at 128 x 4 and 0.488 at 256 x 2; at ctx 2048
+    0.155 at 64 x 2 and 0.093-0.095 at 128 x 2 / 3 / 4 (scripts/bench_fp8_kv.py)."""
     if kv_itemsize == 1:
         return common.fit_kv_pipeline(bs, max(1, 128 // bs), dp, kv_itemsize, 3)
     return common.fit_kv_pipeline(bs, max(1, 64 // bs), dp, kv_itemsize, 2)
