@@ -8,7 +8,9 @@
      greedy, runs interleaved;
   4. the attention kernels at each dtype x head_dim (f32, f16, bf16 x 64, 128, 256)
      against their references, and an f32 engine step at head_dim 128;
-  5. the sampler alone at vocab 128,256: greedy, filters by the sort-based twin, by
+  5. `sharegpt-like` with the defaults, to set beside vLLM's large-GPU defaults run
+     by bench_h200.py in the same call;
+  6. the sampler alone at vocab 128,256: greedy, filters by the sort-based twin, by
      the radix search at 1, 2 and 4 bits per pass, and by the block path.
 
     python3 scripts/bench_defaults.py --compile-cache DIR
@@ -32,7 +34,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 
-from bench_h200 import bench_throughput, random_prompts, timed_generate  # noqa: E402
+from bench_h200 import bench_sharegpt, bench_throughput, random_prompts, timed_generate  # noqa: E402
 
 
 def bench_prefix(llm, vocab, n=512, shared=2000, own=100, out=64) -> dict:
@@ -185,6 +187,9 @@ def engine_runs(args, prefix_caching: bool) -> dict:
     res = {"prefix": bench_prefix(llm, vocab), "throughput": bench_throughput(llm, vocab, args)}
     if prefix_caching:
         res["sampled_latency"] = bench_sampled_latency(llm, vocab, args.repeat)
+        # Beside `bench_h200.py --max-num-seqs 1024 --max-num-batched-tokens 16384
+        # --max-model-len 4096` (vLLM's LLM-class defaults on >= 70 GiB GPUs).
+        res["sharegpt"] = bench_sharegpt(llm, vocab, args)
     return res
 
 
@@ -231,6 +236,9 @@ def main():
               f"{o['throughput']['total_tok_s']:.0f} total tok/s = "
               f"{d['throughput']['total_tok_s'] / o['throughput']['total_tok_s']:.3f} "
               f"(goal within 2%)")
+    print(f"ours (max_num_seqs 256, budget 8192): throughput "
+          f"{d['throughput']['total_tok_s']:.0f} total tok/s, sharegpt-like "
+          f"{d['sharegpt']['requests_s']:.1f} req/s")
     s = d["sampled_latency"]
     print(f"sampled latency {s['sampled_ms']:.1f} ms vs greedy {s['greedy_ms']:.1f} ms = "
           f"{s['ratio']:.3f} (goal <= 1.05)")
