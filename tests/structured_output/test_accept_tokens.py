@@ -7,6 +7,7 @@ import time
 
 from jaxllm.engine.scheduler import ScheduledRequest
 from jaxllm.sampling_params import StructuredOutputsParams
+from jaxllm.structured_output import manager as manager_module
 from jaxllm.structured_output.manager import StructuredOutputManager
 from jaxllm.tokenizer import get_tokenizer
 
@@ -26,7 +27,8 @@ def _ready(manager, n: int, regex: str) -> list:
     return grammars
 
 
-def test_accept_tokens_matches_one_by_one():
+def test_accept_tokens_matches_one_by_one(monkeypatch):
+    monkeypatch.setattr(manager_module, "PARALLEL_ACCEPT_ROWS", 2)
     tok = get_tokenizer(None)
     manager = StructuredOutputManager(tok, len(tok), tok.eos_token_id)
     try:
