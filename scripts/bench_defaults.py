@@ -185,8 +185,10 @@ def engine_runs(args, prefix_caching: bool) -> dict:
               max_num_seqs=256, enable_prefix_caching=prefix_caching)
     args.num_prompts = 1000
     res = {"prefix": bench_prefix(llm, vocab), "throughput": bench_throughput(llm, vocab, args)}
-    if prefix_caching:
+    if prefix_caching:       # printed as it comes, so a run cut short keeps what it had
+        print("defaults", res, flush=True)
         res["sampled_latency"] = bench_sampled_latency(llm, vocab, args.repeat)
+        print("sampled_latency", res["sampled_latency"], flush=True)
         # Beside `bench_h200.py --max-num-seqs 1024 --max-num-batched-tokens 16384
         # --max-model-len 4096` (vLLM's LLM-class defaults on >= 70 GiB GPUs).
         res["sharegpt"] = bench_sharegpt(llm, vocab, args)
