@@ -8,7 +8,6 @@ process's deltas). The Executor (executor/) owns the device.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import logging
 import os
 import random
@@ -97,10 +96,6 @@ class LLMEngine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self._rng = random.Random(config.model.seed)
-        # What start-up built (weights' pytrees, jax's caches, the tokenizer: hundreds
-        # of thousands of objects) lives as long as the engine; left to the collector,
-        # each full collection walked it all, 1-3 ms per step at 256 rows on average.
-        gc.freeze()
         logger.info("engine ready in %.1f s (%s, %d KV blocks, %s; %s)", self.startup_seconds,
                     self.model_path, ex.num_gpu_blocks, ex.platform,
                     ", ".join(f"{k} {v:.1f}" for k, v in self.startup_breakdown.items()))
