@@ -360,10 +360,8 @@ class Scheduler:
         start = request.num_computed_tokens
         end = start + num_new
         all_ids, pending = request.all_token_ids, request.num_output_placeholders
-        num_tokens = len(all_ids)
-        spec = list(spec)
-        # A decode step behind an async one knows none of its tokens yet: the common
-        # case at a large batch, built without slicing.
+        num_tokens, spec = len(all_ids), list(spec)
+        # Behind an async step a decode row knows none of its tokens: built unsliced.
         token_ids = [PLACEHOLDER_TOKEN_ID] * num_new if start >= num_tokens else (
             all_ids[start:min(end, num_tokens)] + [PLACEHOLDER_TOKEN_ID] * max(end - num_tokens, 0))
         do_sample = end == num_tokens + pending
