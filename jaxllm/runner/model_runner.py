@@ -390,9 +390,9 @@ class ModelRunner:
 
 def step_compiler_options(leaves) -> dict | None:
     """XLA options for the model step. With fp8 / int8 weights on a GPU, XLA's Triton
-    GEMM autotuning took 2-21 s per quantized dot on the H200 (an fp8 engine did not
-    finish starting in 190 s), while cuBLASLt alone compiles each in ~0.2 s and runs
-    them at 1,000-1,120 TFLOP/s at 4,096 tokens: such a step leaves Triton GEMMs out."""
+    GEMM autotuning took 2-21 s per quantized dot on the H200, minutes per engine
+    start, while cuBLASLt alone compiles each in ~0.2 s and runs them at 1,000-1,120
+    TFLOP/s at 4,096 tokens: such a step leaves Triton GEMMs out."""
     if jax.default_backend() != "gpu":
         return None
     if any(str(x.dtype) in ("float8_e4m3fn", "int8") for x in leaves):

@@ -154,8 +154,8 @@ class StructuredOutputManager:
         per step. Fewer rows than PARALLEL_ACCEPT_ROWS are left to the scheduler.
         Called between a step's masks, never during one: the rows' matchers are the
         masks' too."""
-        if not self._grammars:
-            return
+        if not self._grammars or len(scheduled) < PARALLEL_ACCEPT_ROWS:
+            return      # fewer rows scheduled, so fewer constrained ones too
         grammars, pairs = [], []
         for r in scheduled:
             req = requests.get(r.request_id)

@@ -116,7 +116,7 @@ def online_scheme(method: str) -> LinearScheme:
     zero point per token (vLLM's asymmetric W8A8 int8): the inputs of q/k/v and
     gate/up carry one-signed outlier channels (amax ~20x the rms in SmolLM2), and a
     symmetric range wastes half the levels on the side they do not reach; on
-    SmolLM2-135M that took int8 from +4.3% perplexity to +1.3% (docs/benchmarks.md).
+    SmolLM2-135M that took int8 from +4.3% perplexity to +2.2% (docs/benchmarks.md).
     fp8 has no zero point: its error is the e4m3 mantissa's, whatever the scale."""
     return LinearScheme(method, None, ActScheme(method, dynamic=True,
                                                 symmetric=method != "int8"))
