@@ -7,7 +7,9 @@ first use), then
   launch it (inputs uploaded, call returned; the previous step finished first),
   wall per step queued back to back, and kernels per step from a profiler trace;
 - the 8-row sampler: host launch microseconds, greedy and temperature 0.8 / top_p
-  0.95 / top_k 50 (numpy metadata, as the engine passes it);
+  0.95 / top_k 50 (numpy metadata, as the engine passes it), on one logits buffer
+  with the device idle, and pipelined as in the engine (each batch-8 step queued
+  behind the last, its sampler launched on its new logits);
 - `latency` (8 x 32/128) greedy and with those filters, 3 runs each interleaved,
   then one of each traced: device kernel time, span and kernels per engine step
   (span - kernel time = the device idle, waiting for the host).
@@ -51,6 +53,7 @@ def _host_launch_us(fn, n=50) -> float:
 def measure(model: str) -> dict:
     sys.path.insert(0, HERE)
     sys.path.insert(0, os.path.join(HERE, ".."))
+    import jax
     import step_profile
     from bench_h200 import random_prompts, timed_generate
     from jaxllm import LLM, SamplingParams
@@ -75,6 +78,22 @@ def measure(model: str) -> dict:
         md, flags = SamplingMetadata.from_params(params, [0] * 8, None, None, 8, vocab)
         res[f"sample_{name}_launch_us"] = _host_launch_us(
             lambda: runner.sample_step(logits, md, flags))
+    # As in the engine: each step queued behind the last, its sampler on its new logits.
+    arrays, decode_only = step_profile.step_arrays(runner, 8, 100)
+    for name, params in (("greedy", [SamplingParams(temperature=0)] * 8), ("filters", filt)):
+        md, flags = SamplingMetadata.from_params(params, [0] * 8, None, None, 8, vocab)
+        model_t, sample_t = [], []
+        for _ in range(60):
+            t0 = time.perf_counter()
+            step_logits = runner.launch_step(arrays, decode_only)
+            t1 = time.perf_counter()
+            out = runner.sample_step(step_logits, md, flags)
+            model_t.append(t1 - t0)
+            sample_t.append(time.perf_counter() - t1)
+        jax.block_until_ready(out)
+        res[f"pipelined_{name}_us"] = {
+            "model_launch": round(1e6 * statistics.median(model_t[10:]), 1),
+            "sample_launch": round(1e6 * statistics.median(sample_t[10:]), 1)}
     prompts = random_prompts(np.random.default_rng(0), 8, 32, vocab)
     common = dict(max_tokens=128, ignore_eos=True)
     modes = {"greedy": SamplingParams(temperature=0, **common),
