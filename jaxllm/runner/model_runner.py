@@ -27,16 +27,15 @@ from jaxllm.engine.scheduler import KVCacheLostError
 from jaxllm.layers.attention import AttentionSpec
 from jaxllm.models.loader import LoadedModel
 from jaxllm.parallel import distributed, mesh as mesh_lib
-from jaxllm.runner import executable_store, input_batch, kv_cache
+from jaxllm.runner import executable_store, input_batch, kv_cache, sampling_rows
 from jaxllm.runner.buckets import BucketPlan
 from jaxllm.runner.compilation import CompilationManager, Program, first_requests_only
-from jaxllm.runner.step_fn import dummy_arrays
+from jaxllm.runner.step_fn import dummy_arrays, step_compiler_options
 # Module names of their own: tests spy on them (one call is one trace).
 from jaxllm.runner.step_fn import forward as _forward, sample_into as _sample_into
 from jaxllm.runner.step_inputs import StepInputs
 from jaxllm.runner.step_output import StepHandle, read_back, start_copies
-from jaxllm.runner.sampler import (SamplerOutput, SamplingMetadata, dummy_metadata,
-                                   warm_up_variants)
+from jaxllm.runner.sampler import SamplerOutput, dummy_metadata, warm_up_variants
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +68,7 @@ class ModelRunner:
         self._token_buf = jax.device_put(np.zeros(self.plan.max_seqs, np.int32),
                                          self._replicated)
         self._prev_rows: dict[str, int] = {}   # request id -> its row in _token_buf
+        self._row_entries: dict[str, sampling_rows.RowEntry] = {}   # by request id
         self._leaves, treedef = jax.tree.flatten(self.state)
         forward = functools.partial(_forward, self.graphdef, treedef, self.spec, hidden_layers)
         options = step_compiler_options(self._leaves)
@@ -266,12 +266,15 @@ class ModelRunner:
         return handle
 
     def _sampling_metadata(self, scheduled, reqs, rows: int, fallback_seeds: dict):
-        return SamplingMetadata.from_params(
-            [q.sampling_params for q in reqs], [r.output_index for r in scheduled],
-            [q.prompt_token_ids for q in reqs], input_batch.output_tokens(scheduled, reqs),
-            rows, self.arch.vocab_size,
-            fallback_seeds=[fallback_seeds[q.request_id] for q in reqs],
-            eos_token_ids=self._eos_ids())
+        """(host metadata, flags); each request's row entry is kept while it runs."""
+        cache, vocab = self._row_entries, self.arch.vocab_size
+        entries = [cache.get(q.request_id) or sampling_rows.row_entry(
+            q.sampling_params, vocab, fallback_seeds[q.request_id]) for q in reqs]
+        self._row_entries = {q.request_id: e for q, e in zip(reqs, entries)}
+        return sampling_rows.build(
+            entries, [r.output_index for r in scheduled], rows,
+            lambda: [q.prompt_token_ids for q in reqs],
+            lambda: input_batch.output_tokens(scheduled, reqs), self._eos_ids())
 
     def sample_tokens(self, handle: StepHandle, grammar_bitmask) -> None:
         """Launch a step's sampler; grammar_bitmask: None, or i32[S, W] of the sampler's
@@ -286,8 +289,8 @@ class ModelRunner:
         handle.sampled = self.sample_step(logits, md, flags, bitmask)
         start_copies(handle)
 
-    def sampler_rows(self, handle: StepHandle) -> int:
-        return handle.pending[0].shape[0]          # S: the bitmask's height
+    def sampler_rows(self, handle: StepHandle) -> int:   # S: the bitmask's height
+        return handle.pending[0].shape[0]
 
     def upload_bitmask(self, bitmask: np.ndarray):
         """A host bitmask i32[S, W] on the device (callable from any thread)."""
@@ -387,14 +390,3 @@ class ModelRunner:
     def host_pool(self, num_cpu_blocks: int):
         return kv_cache.allocate_host_pool(self.kv_caches, num_cpu_blocks)
 
-
-def step_compiler_options(leaves) -> dict | None:
-    """XLA options for the model step. With fp8 / int8 weights on a GPU, XLA's Triton
-    GEMM autotuning took 2-21 s per quantized dot on the H200, minutes per engine
-    start, while cuBLASLt alone compiles each in ~0.2 s and runs them at 1,000-1,120
-    TFLOP/s at 4,096 tokens: such a step leaves Triton GEMMs out."""
-    if jax.default_backend() != "gpu":
-        return None
-    if any(str(x.dtype) in ("float8_e4m3fn", "int8") for x in leaves):
-        return {"xla_gpu_enable_triton_gemm": False}
-    return None

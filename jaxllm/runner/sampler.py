@@ -28,8 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.runner.top_k_top_p import (apply_small_top_k_top_p, apply_top_k_top_p,
-                                       fits_small_top_k)
+from jaxllm.runner.top_k_top_p import apply_small_top_k_top_p, apply_top_k_top_p
 from jaxllm.sampling_params import MAX_LOGPROBS, SAMPLING_EPS, SamplingParams
 
 
@@ -121,41 +120,13 @@ class SamplingMetadata:
         fresh random seed is drawn. Token lists are only read for rows that use
         penalties; their widths are padded to a power of two to bound recompiles.
         """
-        n, s = len(params), pad_to_rows
-        if n > s:
-            raise ValueError(f"{n} requests do not fit in pad_to_rows={s}")
-        greedy = np.array([p.is_greedy for p in params] + [True] * (s - n))
-        temperature = _pad_f32([0.0 if p.is_greedy else p.temperature for p in params], s, 0.0)
-        columns = dict(
-            temperature=temperature,
-            top_p=_pad_f32([p.top_p for p in params], s, 1.0),
-            top_k=_pad_i32([min(p.top_k, vocab_size) for p in params], s, 0),
-            min_p=_pad_f32([p.min_p for p in params], s, 0.0),
-            presence_penalty=_pad_f32([p.presence_penalty for p in params], s, 0.0),
-            frequency_penalty=_pad_f32([p.frequency_penalty for p in params], s, 0.0),
-            repetition_penalty=_pad_f32([p.repetition_penalty for p in params], s, 1.0),
-            output_index=_pad_i32(list(output_indices), s, 0))
-        rows = np.empty((s, NUM_COLUMNS), np.int32)
-        for name, (i, _) in _COLUMNS.items():
-            rows[:, i] = columns[name].view(np.int32)
-        rows[:, _SEED_COLUMNS] = _row_seeds(params, s, fallback_seeds).view(np.int32)
-        md = cls(
-            rows=rows,
-            prompt_tokens=_pad_token_lists(_penalty_rows(params, prompt_token_lists), s),
-            output_tokens=_pad_token_lists(_penalty_rows(params, output_token_lists), s),
-            blocked_tokens=_pad_token_lists(
-                _blocked_token_lists(params, output_indices, eos_token_ids), s),
-        )
-        filters = any(p.uses_filters for p in params)
-        flags = SamplerFlags(
-            use_penalties=any(p.uses_penalties for p in params)
-            or bool((md.blocked_tokens >= 0).any()),
-            use_top_k_top_p_min_p=filters,
-            num_logprobs=MAX_LOGPROBS if any(p.logprobs for p in params) else 0,
-            all_greedy=bool(greedy.all()),
-            small_top_k=filters and fits_small_top_k(columns["top_k"], columns["top_p"]),
-        )
-        return md, flags
+        from jaxllm.runner import sampling_rows
+        entries = [sampling_rows.row_entry(p, vocab_size, None if fallback_seeds is None
+                                           else fallback_seeds[i])
+                   for i, p in enumerate(params)]
+        return sampling_rows.build(entries, output_indices, pad_to_rows,
+                                   lambda: prompt_token_lists, lambda: output_token_lists,
+                                   eos_token_ids)
 
 
 class SamplerOutput(NamedTuple):
@@ -286,71 +257,6 @@ def _bitcast(x, dtype):
     if isinstance(x, np.ndarray):
         return x.view(dtype)
     return jax.lax.bitcast_convert_type(x, dtype)
-
-
-# ---- host-side helpers for SamplingMetadata.from_params (numpy only) ----
-
-
-def _pad_f32(values: list[float], rows: int, fill: float) -> np.ndarray:
-    return np.array(values + [fill] * (rows - len(values)), np.float32)
-
-
-def _pad_i32(values: list[int], rows: int, fill: int) -> np.ndarray:
-    return np.array(values + [fill] * (rows - len(values)), np.int32)
-
-
-def _row_seeds(
-    params: Sequence[SamplingParams], rows: int, fallback: Sequence[int] | None
-) -> np.ndarray:
-    """u32[rows, 2] (low, high words) of each request's 64-bit seed."""
-    seeds = np.zeros((rows, 2), np.uint32)
-    rng = None
-    for i, p in enumerate(params):
-        seed = p.seed if p.seed is not None else (fallback[i] if fallback is not None else None)
-        if seed is None and p.is_greedy:
-            continue  # argmax rows never read their key
-        if seed is None:
-            rng = rng or np.random.default_rng()
-            seed = int(rng.integers(0, 2**63))
-        seed %= 2**64  # negative Python ints map onto the same 64-bit space
-        seeds[i] = (seed & 0xFFFFFFFF, seed >> 32)
-    return seeds
-
-
-def _penalty_rows(
-    params: Sequence[SamplingParams], token_lists: Sequence[Sequence[int]] | None
-) -> list[Sequence[int]]:
-    """Token lists of the rows that use penalties; empty for the others."""
-    if token_lists is None:
-        if any(p.uses_penalties for p in params):
-            raise ValueError("token lists are required when a request uses penalties")
-        return [[] for _ in params]
-    return [toks if p.uses_penalties else [] for p, toks in zip(params, token_lists)]
-
-
-def _blocked_token_lists(
-    params: Sequence[SamplingParams], output_indices: Sequence[int], eos_token_ids: Sequence[int]
-) -> list[list[int]]:
-    """Stop tokens each request may not sample yet, being below its min_tokens."""
-    blocked = []
-    for p, index in zip(params, output_indices):
-        ids: list[int] = []
-        if index < p.min_tokens:
-            ids = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
-        blocked.append(ids)
-    return blocked
-
-
-def _pad_token_lists(lists: Sequence[Sequence[int]], rows: int) -> np.ndarray:
-    """i32[rows, L] padded with -1; L is a power of two >= the longest list (>= 1)."""
-    longest = max(map(len, lists), default=0)
-    width = 1 << max(longest - 1, 0).bit_length()
-    out = np.full((rows, width), -1, np.int32)
-    if longest:
-        for i, toks in enumerate(lists):
-            if toks:
-                out[i, : len(toks)] = toks
-    return out
 
 
 def warm_up_variants() -> list[SamplerFlags]:

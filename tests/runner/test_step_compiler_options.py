@@ -5,21 +5,21 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxllm.runner import model_runner
+from jaxllm.runner import step_fn
 
 
 @pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.int8])
 def test_quantized_weights_on_a_gpu_leave_triton_gemms_out(monkeypatch, dtype):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     leaves = [jnp.ones((4, 4), jnp.bfloat16), jnp.ones((4, 4), dtype)]
-    assert model_runner.step_compiler_options(leaves) == {"xla_gpu_enable_triton_gemm": False}
+    assert step_fn.step_compiler_options(leaves) == {"xla_gpu_enable_triton_gemm": False}
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32, jnp.uint8])
 def test_float_and_packed_4bit_weights_keep_xla_defaults(monkeypatch, dtype):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert model_runner.step_compiler_options([jnp.ones((4, 4), dtype)]) is None
+    assert step_fn.step_compiler_options([jnp.ones((4, 4), dtype)]) is None
 
 
 def test_cpu_keeps_defaults():
-    assert model_runner.step_compiler_options([jnp.ones((4, 4), jnp.int8)]) is None
+    assert step_fn.step_compiler_options([jnp.ones((4, 4), jnp.int8)]) is None
