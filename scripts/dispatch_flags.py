@@ -9,7 +9,8 @@ first use), then
 - the 8-row sampler: host launch microseconds, greedy and temperature 0.8 / top_p
   0.95 / top_k 50 (numpy metadata, as the engine passes it), on one logits buffer
   with the device idle, and pipelined as in the engine (each batch-8 step queued
-  behind the last, its sampler launched on its new logits);
+  behind the last, its sampler launched on its new logits; the runner's sampler and
+  the same program without command buffers or with its token buffer donated);
 - `latency` (8 x 32/128) greedy and with those filters, 3 runs each interleaved,
   then one of each traced: device kernel time, span and kernels per engine step
   (span - kernel time = the device idle, waiting for the host).
@@ -50,6 +51,31 @@ def _host_launch_us(fn, n=50) -> float:
     return round(1e6 * statistics.median(times), 1)
 
 
+def _pipelined(runner, arrays, decode_only, md, flags, fn, n=60) -> dict:
+    """Host us per launch (model, sampler) and wall us per step, steps queued."""
+    import jax
+    token_buf = jax.device_put(np.zeros(runner.plan.max_seqs, np.int32))
+    model_t, sample_t = [], []
+    for i in range(n):
+        if i == 10:
+            jax.block_until_ready(out)
+            t_start = time.perf_counter()
+        t0 = time.perf_counter()
+        logits = runner.launch_step(arrays, decode_only)
+        t1 = time.perf_counter()
+        if fn is None:
+            out = runner.sample_step(logits, md, flags)
+        else:
+            out, token_buf = fn(logits, md, flags, token_buf)
+        model_t.append(t1 - t0)
+        sample_t.append(time.perf_counter() - t1)
+    jax.block_until_ready(out)
+    wall = (time.perf_counter() - t_start) / (n - 10)
+    return {"model_launch": round(1e6 * statistics.median(model_t[10:]), 1),
+            "sample_launch": round(1e6 * statistics.median(sample_t[10:]), 1),
+            "wall_per_step": round(1e6 * wall, 1)}
+
+
 def measure(model: str) -> dict:
     sys.path.insert(0, HERE)
     sys.path.insert(0, os.path.join(HERE, ".."))
@@ -78,22 +104,24 @@ def measure(model: str) -> dict:
         md, flags = SamplingMetadata.from_params(params, [0] * 8, None, None, 8, vocab)
         res[f"sample_{name}_launch_us"] = _host_launch_us(
             lambda: runner.sample_step(logits, md, flags))
-    # As in the engine: each step queued behind the last, its sampler on its new logits.
+    # As in the engine: each step queued behind the last, its sampler on its new logits;
+    # the runner's sampler, and the same program compiled without command buffers or
+    # with the token buffer donated (its address then stays put).
+    from jaxllm.runner.step_fn import sample_into
     arrays, decode_only = step_profile.step_arrays(runner, 8, 100)
+    samplers = {
+        "runner": None,
+        "no_cmdbuf": jax.jit(sample_into, static_argnums=(2,),
+                             compiler_options={"xla_gpu_enable_command_buffer": ""}),
+        "donated_buf": jax.jit(sample_into, static_argnums=(2,), donate_argnums=(3,))}
     for name, params in (("greedy", [SamplingParams(temperature=0)] * 8), ("filters", filt)):
         md, flags = SamplingMetadata.from_params(params, [0] * 8, None, None, 8, vocab)
-        model_t, sample_t = [], []
-        for _ in range(60):
-            t0 = time.perf_counter()
-            step_logits = runner.launch_step(arrays, decode_only)
-            t1 = time.perf_counter()
-            out = runner.sample_step(step_logits, md, flags)
-            model_t.append(t1 - t0)
-            sample_t.append(time.perf_counter() - t1)
-        jax.block_until_ready(out)
-        res[f"pipelined_{name}_us"] = {
-            "model_launch": round(1e6 * statistics.median(model_t[10:]), 1),
-            "sample_launch": round(1e6 * statistics.median(sample_t[10:]), 1)}
+        for sname, fn in samplers.items():
+            try:
+                res[f"pipelined_{name}_{sname}_us"] = _pipelined(
+                    runner, arrays, decode_only, md, flags, fn)
+            except Exception as e:  # noqa: BLE001 - keep the other variants
+                res[f"pipelined_{name}_{sname}_us"] = {"error": repr(e)[:300]}
     prompts = random_prompts(np.random.default_rng(0), 8, 32, vocab)
     common = dict(max_tokens=128, ignore_eos=True)
     modes = {"greedy": SamplingParams(temperature=0, **common),
