@@ -143,7 +143,7 @@ def bench_sampler(vocab=128_256) -> dict:
     import dataclasses
     import jax
     import jax.numpy as jnp
-    from jaxllm.runner import sampler, top_k_top_p
+    from jaxllm.runner import sampler, sampling_rows, top_k_top_p
     from jaxllm.sampling_params import SamplingParams
     res = {}
     for rows in (8, 64, 256):
@@ -157,7 +157,7 @@ def bench_sampler(vocab=128_256) -> dict:
                 filt, lambda x, k, p, b=bits: top_k_top_p.apply_top_k_top_p(x, k, p, b))
         variants["filters_blocks"] = (filt, None)
         for name, (params, filt_fn) in variants.items():
-            md, flags = sampler.SamplingMetadata.from_params(params, [0] * rows, None, None,
+            md, flags = sampling_rows.from_params(params, [0] * rows, None, None,
                                                              rows, vocab)
             if filt_fn is not None:     # the general program, with its filter swapped
                 flags = dataclasses.replace(flags, small_top_k=False)

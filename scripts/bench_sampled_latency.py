@@ -88,12 +88,12 @@ def engine_runs(llm, vocab: int, repeat: int) -> dict:
 def sampler_alone(runner, vocab: int, n: int = 100) -> dict:
     """Each warmed-up 8-row sampler program: host launch time and launch-to-ready."""
     import jax
-    from jaxllm.runner.sampler import SamplingMetadata
+    from jaxllm.runner import sampling_rows
     logits = jax.device_put(np.random.default_rng(0).normal(size=(8, vocab)).astype(np.float32))
     out = {}
     for name, params in modes().items():
         params = params if isinstance(params, list) else [params] * 8
-        md, flags = SamplingMetadata.from_params(params, [0] * 8, None, None, 8, vocab)
+        md, flags = sampling_rows.from_params(params, [0] * 8, None, None, 8, vocab)
         program = runner.compilation.programs.get(("sample", 8, flags))
         if program is None:            # compiling in the background (a CPU start)
             continue
@@ -142,14 +142,14 @@ def sampler_table(vocab: int, row_counts, n: int) -> dict:
     import functools
     import jax
     import jax.numpy as jnp
-    from jaxllm.runner import sampler
+    from jaxllm.runner import sampler, sampling_rows
     from jaxllm.runner import top_k_top_p as tkp
     res = {}
     for rows in row_counts:
         x = np.random.default_rng(rows).normal(size=(rows, vocab)) * 4
         logits = jax.device_put(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
         for name, (filt, params) in _sampler_variants(rows, vocab).items():
-            md, flags = sampler.SamplingMetadata.from_params(params, [0] * rows, None, None,
+            md, flags = sampling_rows.from_params(params, [0] * rows, None, None,
                                                              rows, vocab)
             if filt is not None:     # the general program, its filter swapped while traced
                 flags = sampler.SamplerFlags(**{**flags.__dict__, "small_top_k": False})

@@ -84,7 +84,7 @@ def measure(model: str) -> dict:
     from bench_h200 import random_prompts, timed_generate
     from jaxllm import LLM, SamplingParams
     from jaxllm.models.loader import read_hf_config
-    from jaxllm.runner.sampler import SamplingMetadata
+    from jaxllm.runner import sampling_rows
     vocab = read_hf_config(model)["vocab_size"]
     llm = LLM(model, load_format="dummy", dtype="bfloat16", max_model_len=1024,
               max_num_seqs=8, max_num_batched_tokens=512, enforce_eager=True)
@@ -101,7 +101,7 @@ def measure(model: str) -> dict:
     logits = runner.launch_step(*step_profile.step_arrays(runner, 8, 100))
     filt = [SamplingParams(temperature=0.8, top_p=0.95, top_k=50, seed=i) for i in range(8)]
     for name, params in (("greedy", [SamplingParams(temperature=0)] * 8), ("filters", filt)):
-        md, flags = SamplingMetadata.from_params(params, [0] * 8, None, None, 8, vocab)
+        md, flags = sampling_rows.from_params(params, [0] * 8, None, None, 8, vocab)
         res[f"sample_{name}_launch_us"] = _host_launch_us(
             lambda: runner.sample_step(logits, md, flags))
     # As in the engine: each step queued behind the last, its sampler on its new logits;
@@ -115,7 +115,7 @@ def measure(model: str) -> dict:
                              compiler_options={"xla_gpu_enable_command_buffer": ""}),
         "donated_buf": jax.jit(sample_into, static_argnums=(2,), donate_argnums=(3,))}
     for name, params in (("greedy", [SamplingParams(temperature=0)] * 8), ("filters", filt)):
-        md, flags = SamplingMetadata.from_params(params, [0] * 8, None, None, 8, vocab)
+        md, flags = sampling_rows.from_params(params, [0] * 8, None, None, 8, vocab)
         for sname, fn in samplers.items():
             try:
                 res[f"pipelined_{name}_{sname}_us"] = _pipelined(

@@ -35,7 +35,8 @@ from jaxllm.runner.step_fn import dummy_arrays, step_compiler_options
 from jaxllm.runner.step_fn import forward as _forward, sample_into as _sample_into
 from jaxllm.runner.step_inputs import StepInputs
 from jaxllm.runner.step_output import StepHandle, read_back, start_copies
-from jaxllm.runner.sampler import SamplerOutput, dummy_metadata, warm_up_variants
+from jaxllm.runner.sampler import SamplerOutput, warm_up_variants
+from jaxllm.runner.sampling_rows import dummy_metadata
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,6 @@ on the rest of the batch, so a seeded request is reproducible however it is batc
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
@@ -29,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.runner.top_k_top_p import apply_small_top_k_top_p, apply_top_k_top_p
-from jaxllm.sampling_params import MAX_LOGPROBS, SAMPLING_EPS, SamplingParams
+from jaxllm.sampling_params import MAX_LOGPROBS, SAMPLING_EPS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,34 +98,6 @@ class SamplingMetadata:
     def seeds(self):
         """u32[S, 2], the request seed's low and high 32-bit words."""
         return _bitcast(self.rows[:, _SEED_COLUMNS], np.uint32)
-
-    @classmethod
-    def from_params(
-        cls,
-        params: Sequence[SamplingParams],
-        output_indices: Sequence[int],
-        prompt_token_lists: Sequence[Sequence[int]] | None,
-        output_token_lists: Sequence[Sequence[int]] | None,
-        pad_to_rows: int,
-        vocab_size: int,
-        *,
-        fallback_seeds: Sequence[int] | None = None,
-        eos_token_ids: Sequence[int] = (),
-    ) -> tuple[SamplingMetadata, SamplerFlags]:
-        """Build host (numpy) metadata for N requests padded to S = pad_to_rows rows.
-
-        Padded rows are greedy and neutral. ``fallback_seeds[i]`` seeds row i when
-        ``params[i].seed`` is None (the engine draws one per request); without it a
-        fresh random seed is drawn. Token lists are only read for rows that use
-        penalties; their widths are padded to a power of two to bound recompiles.
-        """
-        from jaxllm.runner import sampling_rows
-        entries = [sampling_rows.row_entry(p, vocab_size, None if fallback_seeds is None
-                                           else fallback_seeds[i])
-                   for i, p in enumerate(params)]
-        return sampling_rows.build(entries, output_indices, pad_to_rows,
-                                   lambda: prompt_token_lists, lambda: output_token_lists,
-                                   eos_token_ids)
 
 
 class SamplerOutput(NamedTuple):
@@ -273,9 +244,3 @@ def warm_up_variants() -> list[SamplerFlags]:
     out.append(SamplerFlags(False, False, 0, True, use_bitmask=True))
     out.append(SamplerFlags(False, False, 0, False, use_bitmask=True))
     return out
-
-
-def dummy_metadata(rows: int) -> SamplingMetadata:
-    """Metadata of `rows` padding rows (the warm-up's)."""
-    md, _ = SamplingMetadata.from_params([], [], [], [], rows, 2, fallback_seeds=[])
-    return md

@@ -67,6 +67,27 @@ def row_entry(p: SamplingParams, vocab_size: int, fallback_seed: int | None,
     return RowEntry(row.tobytes(), bits, p)
 
 
+def from_params(params: Sequence[SamplingParams], output_indices: Sequence[int],
+                prompt_token_lists: Sequence[Sequence[int]] | None,
+                output_token_lists: Sequence[Sequence[int]] | None, pad_to_rows: int,
+                vocab_size: int, *, fallback_seeds: Sequence[int] | None = None,
+                eos_token_ids: Sequence[int] = ()):
+    """(host SamplingMetadata, SamplerFlags) for N requests padded to S = pad_to_rows
+    rows, built afresh. Padded rows are greedy and neutral. ``fallback_seeds[i]``
+    seeds row i when ``params[i].seed`` is None (the engine draws one per request);
+    without it a fresh random seed is drawn. Token lists are only read for rows that
+    use penalties; their widths are padded to a power of two to bound recompiles."""
+    entries = [row_entry(p, vocab_size, None if fallback_seeds is None else fallback_seeds[i])
+               for i, p in enumerate(params)]
+    return build(entries, output_indices, pad_to_rows, lambda: prompt_token_lists,
+                 lambda: output_token_lists, eos_token_ids)
+
+
+def dummy_metadata(rows: int) -> sampler.SamplingMetadata:
+    """Metadata of `rows` padding rows (the warm-up's)."""
+    return build([], [], rows, list, list)[0]
+
+
 def build(entries: Sequence[RowEntry], output_indices: Sequence[int], pad_to_rows: int,
           prompt_token_lists: Callable[[], Sequence[Sequence[int]] | None],
           output_token_lists: Callable[[], Sequence[Sequence[int]] | None],

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from jaxllm.outputs import make_logprobs_entry
+from jaxllm.runner import sampling_rows
 from jaxllm.runner.sampler import (
     SamplerFlags,
-    SamplingMetadata,
     apply_min_p,
     apply_penalties,
     apply_small_top_k_top_p,
@@ -43,7 +43,7 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
 def _build(params, rows=None, output_indices=None, prompts=None, outputs=None, **kw):
     """from_params with defaults; small batches pad to 8 rows to share compiles."""
     n = len(params)
-    return SamplingMetadata.from_params(
+    return sampling_rows.from_params(
         params,
         output_indices if output_indices is not None else [0] * n,
         prompts if prompts is not None else [[] for _ in params],

@@ -8,7 +8,6 @@ import pytest
 
 from jaxllm.runner import sampling_rows
 from jaxllm.runner.model_runner import ModelRunner
-from jaxllm.runner.sampler import SamplingMetadata
 from jaxllm.sampling_params import SamplingParams
 
 V = 1000
@@ -38,7 +37,7 @@ def test_cached_entries_build_what_from_params_builds(subset):
     entries = [sampling_rows.row_entry(PARAMS[i], V, FALLBACK[i]) for i in subset]
     for step in range(4):        # the same entries, later output indices
         indices = [step * 2 + i for i in range(len(params))]
-        fresh = SamplingMetadata.from_params(
+        fresh = sampling_rows.from_params(
             params, indices, [PROMPTS[i] for i in subset], [OUTPUTS[i] for i in subset], 8,
             V, fallback_seeds=[FALLBACK[i] for i in subset], eos_token_ids=(2,))
         cached = sampling_rows.build(entries, indices, 8, lambda: [PROMPTS[i] for i in subset],
@@ -98,6 +97,6 @@ def test_runner_keeps_an_entry_while_its_request_is_scheduled():
     assert runner._row_entries["a"] is first["a"]          # kept, not rebuilt
     assert set(runner._row_entries) == {"a", "c"}          # b's dropped with b
     np.testing.assert_array_equal(md.output_index[:2], [5, 5])
-    fresh = SamplingMetadata.from_params([PARAMS[1], PARAMS[3]], [5, 5], None, None, 8, V,
+    fresh = sampling_rows.from_params([PARAMS[1], PARAMS[3]], [5, 5], None, None, 8, V,
                                          fallback_seeds=[1, 3], eos_token_ids=(2,))[0]
     np.testing.assert_array_equal(md.rows, fresh.rows)

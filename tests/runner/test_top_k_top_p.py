@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from cuda_lowering import lower_for_cuda
 
-from jaxllm.runner import sampler
+from jaxllm.runner import sampler, sampling_rows
 from jaxllm.runner.top_k_top_p import (MAX_SMALL_TOP_K, apply_small_top_k_top_p,
                                        apply_top_k_top_p, ref_apply_top_k_top_p)
 from jaxllm.sampling_params import SamplingParams
@@ -55,7 +55,7 @@ def test_sampled_tokens_equal_at_a_large_vocabulary(monkeypatch):
     params += [SamplingParams(temperature=1.0, top_p=0.5, seed=9),
                SamplingParams(temperature=0.7, top_k=3, seed=10),
                SamplingParams(temperature=0.0), SamplingParams(temperature=1.2, seed=11)]
-    md, flags = sampler.SamplingMetadata.from_params(params, [0] * rows, None, None, rows, vocab)
+    md, flags = sampling_rows.from_params(params, [0] * rows, None, None, rows, vocab)
     assert flags.use_top_k_top_p_min_p
     md = dataclasses.replace(md, **{f.name: jnp.asarray(getattr(md, f.name))
                                     for f in dataclasses.fields(md)})
@@ -128,7 +128,7 @@ def test_small_top_k_cut_at_and_above_the_floor_group(top_p):
 
 def test_flags_take_the_block_path_only_where_it_is_exact():
     def small(*params):
-        _, flags = sampler.SamplingMetadata.from_params(
+        _, flags = sampling_rows.from_params(
             list(params), [0] * len(params), None, None, 8, 1000)
         return flags.small_top_k
     p = SamplingParams
@@ -148,7 +148,7 @@ def test_sampled_tokens_equal_on_either_path(monkeypatch, top_k):
     logits = jnp.asarray(rng.normal(size=(rows, vocab)) * 4, jnp.bfloat16).astype(jnp.float32)
     params = [SamplingParams(temperature=0.8, top_p=0.95, top_k=top_k, seed=i) for i in range(6)]
     params += [SamplingParams(temperature=0.0), SamplingParams(temperature=1.2, min_p=0.05, seed=7)]
-    md, flags = sampler.SamplingMetadata.from_params(params, [0] * rows, None, None, rows, vocab)
+    md, flags = sampling_rows.from_params(params, [0] * rows, None, None, rows, vocab)
     assert flags.small_top_k == (top_k <= MAX_SMALL_TOP_K)
     md = jax.device_put(md)
     fast = np.asarray(sampler.sample(logits, md, flags).token_ids)
@@ -163,7 +163,7 @@ def test_block_path_lowers_for_cuda_without_a_vocabulary_sort(rows):
     on the block maxima (V / BLOCK per row) and the G kept blocks, never on all V."""
     vocab = 128_256
     params = [SamplingParams(temperature=0.8, top_p=0.95, top_k=50, seed=1)] * rows
-    md, flags = sampler.SamplingMetadata.from_params(params, [0] * rows, None, None, rows, vocab)
+    md, flags = sampling_rows.from_params(params, [0] * rows, None, None, rows, vocab)
     assert flags.small_top_k
     text = lower_for_cuda(lambda x, m: sampler.sample(x, m, flags).token_ids,
                           jax.ShapeDtypeStruct((rows, vocab), jnp.float32),

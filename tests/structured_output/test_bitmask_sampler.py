@@ -12,7 +12,8 @@ import llguidance.numpy
 import numpy as np
 import pytest
 
-from jaxllm.runner.sampler import SamplerFlags, SamplingMetadata, apply_token_bitmask, sample
+from jaxllm.runner import sampling_rows
+from jaxllm.runner.sampler import SamplerFlags, apply_token_bitmask, sample
 from jaxllm.sampling_params import MAX_LOGPROBS, SamplingParams
 
 sample_jit = jax.jit(sample, static_argnums=2)
@@ -72,7 +73,7 @@ def test_pack_matches_llguidance_layout():
 
 
 def build(params, v, rows, output_index=0):
-    md, flags = SamplingMetadata.from_params(
+    md, flags = sampling_rows.from_params(
         params, [output_index] * len(params), [[] for _ in params], [[] for _ in params],
         rows, v)
     return md, dataclasses.replace(flags, use_bitmask=True)
@@ -158,7 +159,7 @@ def test_all_ones_bitmask_changes_nothing():
     logits = np.random.default_rng(0).normal(0, 2, (s, v)).astype(np.float32)
     params = [SamplingParams(temperature=t, seed=i, logprobs=3)
               for i, t in enumerate([0.0, 1.0, 0.7, 1.3] * 2)]
-    md, flags = SamplingMetadata.from_params(params, [2] * s, [[]] * s, [[]] * s, s, v)
+    md, flags = sampling_rows.from_params(params, [2] * s, [[]] * s, [[]] * s, s, v)
     plain = jax.tree.map(np.asarray, sample_jit(logits, md, flags))
     ones = np.full((s, -(-v // 32)), -1, np.int32)
     masked = jax.tree.map(np.asarray, sample_jit(
