@@ -24,6 +24,10 @@ GPU check their numbers too. --pallas-settings '{"block_n":
 
     python3 scripts/bench_quant_matmul.py --pallas [--pallas-settings JSON]
 
+--copies C runs C matmuls of a row's kind in one program, each on its own input and
+weight, and reports the time per matmul: the device's time, where one call per matmul
+(the default, C = 1) times the host's dispatch (~45-60 us) at small M.
+
 JSON to $OUT/bench_quant_matmul.json when OUT is set.
 """
 from __future__ import annotations
@@ -56,13 +60,13 @@ W4_GROUP = 128
 
 
 def time_us(fn, *args, reps=200) -> float:
-    fn(*args).block_until_ready()
+    jax.block_until_ready(fn(*args))
     times = []
     for _ in range(5):
         t0 = time.perf_counter()
         for _ in range(reps):
             out = fn(*args)
-        out.block_until_ready()
+        jax.block_until_ready(out)
         times.append((time.perf_counter() - t0) / reps * 1e6)
     return statistics.median(times)
 
@@ -123,27 +127,38 @@ def bf16(x, w):
     return jnp.einsum("tk,nk->tn", x, w, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
-def case(kind, m, n, k, options, key, settings=None):
+def case_args(kind, m, n, k, key, settings=None):
+    """(fn, args) of one matmul of the kind."""
     kx, kw = jax.random.split(key)
     x = jax.random.normal(kx, (m, k), jnp.bfloat16)
     w = (jax.random.normal(kw, (n, k), jnp.float32) * 0.02)
     if kind == "bf16":
-        fn, args = bf16, (x, w.astype(jnp.bfloat16))
-    elif kind in ("xla_w4", "pallas_w4"):
-        fn, args = w4(kind == "pallas_w4", settings or {}), w4_args(x, n, k, kw)
-    else:
-        dtype = kind.removeprefix("pallas_")
-        scale = jnp.max(jnp.abs(w), axis=1) / (448.0 if dtype == "fp8" else 127.0)
-        wq = w / scale[:, None]
-        wq = jnp.round(wq) if dtype == "int8" else wq
-        fn = pallas_w8a8(dtype, settings or {}) if kind.startswith("pallas") else w8a8(dtype)
-        args = (x, wq.astype(STORE[dtype]), scale)
+        return bf16, (x, w.astype(jnp.bfloat16))
+    if kind in ("xla_w4", "pallas_w4"):
+        return w4(kind == "pallas_w4", settings or {}), w4_args(x, n, k, kw)
+    dtype = kind.removeprefix("pallas_")
+    scale = jnp.max(jnp.abs(w), axis=1) / (448.0 if dtype == "fp8" else 127.0)
+    wq = w / scale[:, None]
+    wq = jnp.round(wq) if dtype == "int8" else wq
+    fn = pallas_w8a8(dtype, settings or {}) if kind.startswith("pallas") else w8a8(dtype)
+    return fn, (x, wq.astype(STORE[dtype]), scale)
+
+
+def case(kind, m, n, k, options, key, settings=None, copies=1):
+    """One row. With copies > 1 one program runs that many matmuls of the kind, each
+    on its own input and weight (as a step's layers do, so no weight stays in L2), and
+    the row is its time over `copies`: the device's time per matmul, where one call
+    per matmul would time the host's dispatch at small M."""
+    sets = [case_args(kind, m, n, k, jax.random.fold_in(key, c), settings)
+            for c in range(copies)]
+    fn, args = sets[0]
     # jit's C++ dispatch (a few us) keeps small-M rows about the GPU, not the call.
-    jitted = jax.jit(fn, compiler_options=options or None)
+    jitted = jax.jit(lambda *groups: [fn(*g) for g in groups], compiler_options=options or None)
+    groups = [a for _, a in sets]
     t0 = time.perf_counter()
-    jitted.lower(*args).compile()
+    jitted.lower(*groups).compile()
     compile_s = time.perf_counter() - t0
-    us = time_us(jitted, *args)
+    us = time_us(jitted, *groups) / copies
     r = {"compile_s": round(compile_s, 2), "us": round(us, 1),
          "tflops": round(2 * m * n * k / us / 1e6, 1)}
     # The weight and its scales, read once a call: what bounds the small-M rows.
@@ -164,6 +179,8 @@ def main():
     ap.add_argument("--compile-budget", type=float, default=90.0)
     ap.add_argument("--pallas", action="store_true", help="the Pallas kernels too")
     ap.add_argument("--pallas-settings", default="{}", help="JSON of tile settings")
+    ap.add_argument("--copies", type=int, default=1, help="matmuls per program, each on "
+                    "its own weight; rows are per matmul (device time at small M)")
     args = ap.parse_args()
     args.variants = args.variants or ("no_triton" if args.pallas else "no_triton,default")
     args.ms = args.ms or ("1,8,16,64" if args.pallas else "1,8,64,256,4096")
@@ -185,7 +202,7 @@ def main():
                     if kind != "bf16" and spent > args.compile_budget:
                         continue
                     try:
-                        r = case(kind, m, n, k, VARIANTS[variant], key, settings)
+                        r = case(kind, m, n, k, VARIANTS[variant], key, settings, args.copies)
                     except Exception as e:      # one failure costs one row
                         print(f"{variant:>10} {kind:>{kw}} {proj:>8} {m:>5} FAILED {e!r:.200}")
                         continue
