@@ -23,11 +23,23 @@ _GREEDY, _PENALTIES, _FILTERS, _LOGPROBS, _NOT_SMALL, _MIN_TOKENS = (1 << i for 
 
 class RowEntry(NamedTuple):
     """One request's constant row words (i32[NUM_COLUMNS] as bytes, output_index 0:
-    a step joins them into its rows at once) and its property bits (_GREEDY ...)."""
+    a step joins them into its rows at once), its property bits (_GREEDY ...), and
+    what it was built from."""
 
     row: bytes
     bits: int
     params: SamplingParams
+    fallback_seed: int | None
+
+
+def cached_entry(cache: dict, key, p: SamplingParams, vocab_size: int,
+                 fallback_seed: int | None) -> RowEntry:
+    """cache[key] when it was built from these very params and seed, else a new entry
+    (a request id used again by a later request never inherits the earlier's row)."""
+    e = cache.get(key)
+    if e is not None and e.params is p and e.fallback_seed == fallback_seed:
+        return e
+    return row_entry(p, vocab_size, fallback_seed)
 
 
 def _padding_row() -> np.ndarray:
@@ -64,7 +76,7 @@ def row_entry(p: SamplingParams, vocab_size: int, fallback_seed: int | None,
     bits = (_GREEDY * p.is_greedy | _PENALTIES * p.uses_penalties
             | _FILTERS * p.uses_filters | _LOGPROBS * bool(p.logprobs)
             | _NOT_SMALL * (not small) | _MIN_TOKENS * (p.min_tokens > 0))
-    return RowEntry(row.tobytes(), bits, p)
+    return RowEntry(row.tobytes(), bits, p, fallback_seed)
 
 
 def from_params(params: Sequence[SamplingParams], output_indices: Sequence[int],

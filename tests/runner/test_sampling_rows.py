@@ -100,3 +100,19 @@ def test_runner_keeps_an_entry_while_its_request_is_scheduled():
     fresh = sampling_rows.from_params([PARAMS[1], PARAMS[3]], [5, 5], None, None, 8, V,
                                          fallback_seeds=[1, 3], eos_token_ids=(2,))[0]
     np.testing.assert_array_equal(md.rows, fresh.rows)
+
+
+def test_a_request_id_used_again_gets_its_own_row():
+    runner = SimpleNamespace(_row_entries={}, arch=SimpleNamespace(vocab_size=V),
+                             _eos_ids=lambda: (2,))
+    scheduled = [SimpleNamespace(request_id="a", output_index=0, spec_token_ids=[])]
+    ModelRunner._sampling_metadata(runner, scheduled, [_request("a", 1)], 8, {"a": 1})
+    # A later request under the same id: other params, then the same params object
+    # with another seed; each time the row is the new request's.
+    for i, seed in ((3, 1), (3, 9)):
+        md, flags = ModelRunner._sampling_metadata(runner, scheduled, [_request("a", i)], 8,
+                                                   {"a": seed})
+        fresh = sampling_rows.from_params([PARAMS[i]], [0], None, None, 8, V,
+                                          fallback_seeds=[seed], eos_token_ids=(2,))
+        np.testing.assert_array_equal(md.rows, fresh[0].rows)
+        assert flags == fresh[1]
