@@ -268,10 +268,8 @@ class ModelRunner:
 
     def _sampling_metadata(self, scheduled, reqs, rows: int, fallback_seeds: dict):
         """(host metadata, flags); each request's row entry is kept while it runs."""
-        cache, vocab = self._row_entries, self.arch.vocab_size
-        entries = [sampling_rows.cached_entry(cache, q.request_id, q.sampling_params, vocab,
-                                              fallback_seeds[q.request_id]) for q in reqs]
-        self._row_entries = {q.request_id: e for q, e in zip(reqs, entries)}
+        entries, self._row_entries = sampling_rows.kept_entries(
+            self._row_entries, reqs, self.arch.vocab_size, fallback_seeds)
         return sampling_rows.build(
             entries, [r.output_index for r in scheduled], rows,
             lambda: [q.prompt_token_ids for q in reqs],

@@ -9,6 +9,7 @@ cached build a fraction of it.
 """
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -32,14 +33,24 @@ class RowEntry(NamedTuple):
     fallback_seed: int | None
 
 
-def cached_entry(cache: dict, key, p: SamplingParams, vocab_size: int,
-                 fallback_seed: int | None) -> RowEntry:
-    """cache[key] when it was built from these very params and seed, else a new entry
-    (a request id used again by a later request never inherits the earlier's row)."""
-    e = cache.get(key)
-    if e is not None and e.params is p and e.fallback_seed == fallback_seed:
-        return e
-    return row_entry(p, vocab_size, fallback_seed)
+def kept_entries(cache: dict, requests, vocab_size: int, fallback_seeds: dict):
+    """(the entries of `requests` in order, the cache for the next step: these
+    requests' entries by id). An entry is kept from `cache` when it was built from
+    equal params and the same seed (a request id used again never inherits a row;
+    equal, not identical: a multi-host follower unpickles new params every step)."""
+    kept: dict = {}
+    entries = []
+    for q in requests:
+        rid, p = q.request_id, q.sampling_params
+        e = kept.get(rid)             # a request's rows of one step share one entry
+        if e is None:
+            e = cache.get(rid)
+            seed = fallback_seeds[rid]
+            if e is None or e.fallback_seed != seed or not (e.params is p or e.params == p):
+                e = row_entry(p, vocab_size, seed)
+            kept[rid] = e
+        entries.append(e)
+    return entries, kept
 
 
 def _padding_row() -> np.ndarray:
@@ -50,33 +61,28 @@ def _padding_row() -> np.ndarray:
 
 
 PADDING_ROW = _padding_row()   # greedy and neutral
-_FLOAT_COLUMNS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-                  "repetition_penalty")
+_TAIL = struct.Struct("<iiII")   # top_k, output_index, the seed's low and high words
 
 
 def row_entry(p: SamplingParams, vocab_size: int, fallback_seed: int | None,
               rng: np.random.Generator | None = None) -> RowEntry:
     """A request's entry. Its seed: ``p.seed``, else `fallback_seed`, else (a random
     row) one drawn from `rng`; argmax rows without one never read theirs."""
-    row = PADDING_ROW.copy()
     top_k = min(p.top_k, vocab_size)
-    floats = [0.0 if p.is_greedy else p.temperature, p.top_p, p.min_p, p.presence_penalty,
-              p.frequency_penalty, p.repetition_penalty]
-    row[[sampler._COLUMNS[name][0] for name in _FLOAT_COLUMNS]] = np.array(
-        floats, np.float32).view(np.int32)
-    row[sampler._COLUMNS["top_k"][0]] = top_k
     seed = p.seed if p.seed is not None else fallback_seed
     if seed is None and not p.is_greedy:
         seed = int((rng or np.random.default_rng()).integers(0, 2**63))
-    if seed is not None:
-        seed %= 2**64  # negative Python ints map onto the same 64-bit space
-        row[sampler._SEED_COLUMNS] = np.array([seed & 0xFFFFFFFF, seed >> 32],
-                                              np.uint32).view(np.int32)
-    small = fits_small_top_k(np.int32(top_k), np.float32(p.top_p))
+    seed = 0 if seed is None else seed % 2**64   # negative ints: the same 64-bit space
+    floats = np.array([0.0 if p.is_greedy else p.temperature, p.top_p, p.min_p,
+                       p.presence_penalty, p.frequency_penalty, p.repetition_penalty],
+                      np.float32)
+    # The columns' order (sampler._COLUMNS): six f32, top_k, output_index, seed words.
+    row = floats.tobytes() + _TAIL.pack(top_k, 0, seed & 0xFFFFFFFF, seed >> 32)
+    small = fits_small_top_k(top_k, float(floats[1]))
     bits = (_GREEDY * p.is_greedy | _PENALTIES * p.uses_penalties
             | _FILTERS * p.uses_filters | _LOGPROBS * bool(p.logprobs)
             | _NOT_SMALL * (not small) | _MIN_TOKENS * (p.min_tokens > 0))
-    return RowEntry(row.tobytes(), bits, p, fallback_seed)
+    return RowEntry(row, bits, p, fallback_seed)
 
 
 def from_params(params: Sequence[SamplingParams], output_indices: Sequence[int],

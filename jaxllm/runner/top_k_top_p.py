@@ -59,11 +59,11 @@ def apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array,
     return jnp.where(keys >= pth[:, None], logits, -jnp.inf)
 
 
-def fits_small_top_k(top_k, top_p) -> bool:
-    """Host side: whether every row (numpy top_k i32[S], top_p f32[S]) may take
-    ``apply_small_top_k_top_p``: top_k in [1, MAX_SMALL_TOP_K], or top_k and top_p off."""
-    small = (top_k >= 1) & (top_k <= MAX_SMALL_TOP_K)
-    return bool((small | ((top_k == 0) & (top_p >= 1.0))).all())
+def fits_small_top_k(top_k: int, top_p: float) -> bool:
+    """Host side: whether a row (its top_k, and its top_p as the float32 the sampler
+    reads) may take ``apply_small_top_k_top_p``: top_k in [1, MAX_SMALL_TOP_K], or
+    top_k and top_p off. A batch takes it when every row does."""
+    return 1 <= top_k <= MAX_SMALL_TOP_K or (top_k == 0 and top_p >= 1.0)
 
 
 def apply_small_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array,

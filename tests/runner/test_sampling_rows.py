@@ -116,3 +116,25 @@ def test_a_request_id_used_again_gets_its_own_row():
                                           fallback_seeds=[seed], eos_token_ids=(2,))
         np.testing.assert_array_equal(md.rows, fresh[0].rows)
         assert flags == fresh[1]
+
+
+def test_rows_of_one_request_share_an_entry_and_equal_params_keep_it(monkeypatch):
+    """Verify rows (several per request in one step) build one entry; a multi-host
+    follower's params, unpickled anew each step, equal but not identical, keep it."""
+    import copy
+    built = []
+    real = sampling_rows.row_entry
+    monkeypatch.setattr(sampling_rows, "row_entry",
+                        lambda *a, **k: built.append(a) or real(*a, **k))
+    runner = SimpleNamespace(_row_entries={}, arch=SimpleNamespace(vocab_size=V),
+                             _eos_ids=lambda: (2,))
+    req = _request("a", 1)
+    rows = [SimpleNamespace(request_id="a", output_index=4 + j, spec_token_ids=[])
+            for j in range(3)]
+    md, _ = ModelRunner._sampling_metadata(runner, rows, [req] * 3, 8, {"a": 1})
+    np.testing.assert_array_equal(md.output_index[:3], [4, 5, 6])
+    assert len(built) == 1
+    follower_req = copy.deepcopy(req)
+    assert follower_req.sampling_params is not req.sampling_params
+    ModelRunner._sampling_metadata(runner, rows, [follower_req] * 3, 8, {"a": 1})
+    assert len(built) == 1
