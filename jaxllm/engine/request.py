@@ -11,8 +11,11 @@ No jax here: the scheduler imports this module and must stay pure Python.
 from __future__ import annotations
 
 import enum
+import itertools
 import time
 from typing import Any
+
+_SERIALS = itertools.count()
 
 
 class RequestStatus(enum.Enum):
@@ -66,6 +69,9 @@ class Request:
         priority: int = 0,
     ) -> None:
         self.request_id = request_id
+        # Tells this request from an earlier one under the same id (aborted while a
+        # step of it was in flight): that step's token is not this one's.
+        self.serial = next(_SERIALS)
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id

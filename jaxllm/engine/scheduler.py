@@ -49,8 +49,7 @@ from jaxllm.engine.request_queue import SchedulingPolicy, create_request_queue, 
 from jaxllm.engine.scheduler_checks import (PREEMPTION_MODES, append_tokens,
                                             reaches_length_cap, spec_tokens_to_verify,
                                             validate_args, validate_request)
-# Stands for a token sampled by the previous step and not yet read back.
-PLACEHOLDER_TOKEN_ID = -1
+PLACEHOLDER_TOKEN_ID = -1   # a token sampled by the previous step, not read back yet
 
 
 @dataclass
@@ -63,6 +62,7 @@ class ScheduledRequest:
     output_index: int           # len(output_token_ids) at schedule time (seeded sampling)
     # Draft tokens at the end of token_ids, verified by this step (speculative decoding).
     spec_token_ids: list[int] = field(default_factory=list)
+    serial: int | None = None   # the Request's (None: not checked), see Request.serial
 
 
 class KVCacheLostError(RuntimeError):
@@ -214,7 +214,7 @@ class Scheduler:
         updated, any_finished = [], False
         for sched in scheduler_output.scheduled:
             request = self.requests.get(sched.request_id)
-            if request is None:
+            if request is None or sched.serial not in (None, request.serial):
                 continue  # finished (aborted, stop string) after it was scheduled
             status = request.status
             stopped = False
@@ -368,7 +368,7 @@ class Scheduler:
         out.scheduled.append(ScheduledRequest(
             request.request_id, token_ids + spec if spec else token_ids, start,
             self.kv_cache_manager.get_block_table(request), do_sample,
-            request.num_output_tokens + pending, spec))
+            request.num_output_tokens + pending, spec, request.serial))
         out.num_batched_tokens += num_new + len(spec)
         # Drafts count as computed until update_from_output rejects some; cache_blocks
         # only registers blocks of known tokens, never a draft.

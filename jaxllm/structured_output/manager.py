@@ -132,6 +132,8 @@ class StructuredOutputManager:
         pairs = []
         for i, r in enumerate(scheduled):
             req = requests.get(r.request_id)
+            if req is not None and r.serial is not None and r.serial != req.serial:
+                req = None      # an earlier request under this id (Request.serial)
             grammar = req.structured_output_request if req is not None else None
             if r.do_sample and grammar is not None and grammar.matcher is not None \
                     and grammar.error is None:
@@ -159,6 +161,8 @@ class StructuredOutputManager:
         grammars, pairs = [], []
         for r in scheduled:
             req = requests.get(r.request_id)
+            if req is not None and r.serial is not None and r.serial != req.serial:
+                req = None      # an earlier request under this id (Request.serial)
             grammar = req.structured_output_request if req is not None else None
             if r.do_sample and grammar is not None and grammar.matcher is not None:
                 token = sampled[r.request_id]
