@@ -146,3 +146,13 @@ class Request:
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, status={self.status.name}, "
                 f"tokens={self.num_tokens}, computed={self.num_computed_tokens})")
+
+
+def live_request(requests: dict, scheduled) -> Request | None:
+    """The live request a scheduled row (a ScheduledRequest) was made for: None when
+    it finished since, or when its id now names a later request (Request.serial)."""
+    request = requests.get(scheduled.request_id)
+    if request is None or (scheduled.serial is not None
+                           and scheduled.serial != request.serial):
+        return None
+    return request

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 
 from jaxllm.engine.block_pool import BlockPool
 from jaxllm.engine.kv_cache_manager import KVCacheManager
-from jaxllm.engine.request import Request, RequestStatus
+from jaxllm.engine.request import Request, RequestStatus, live_request
 from jaxllm.engine.request_queue import SchedulingPolicy, create_request_queue, priority_key
 from jaxllm.engine.scheduler_checks import (PREEMPTION_MODES, append_tokens,
                                             reaches_length_cap, spec_tokens_to_verify,
@@ -213,8 +213,8 @@ class Scheduler:
         tokens appended when one of them ends the request."""
         updated, any_finished = [], False
         for sched in scheduler_output.scheduled:
-            request = self.requests.get(sched.request_id)
-            if request is None or sched.serial not in (None, request.serial):
+            request = live_request(self.requests, sched)
+            if request is None:
                 continue  # finished (aborted, stop string) after it was scheduled
             status = request.status
             stopped = False

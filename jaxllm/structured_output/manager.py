@@ -21,6 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
+from jaxllm.engine.request import live_request
 from jaxllm.structured_output import backend_guidance
 from jaxllm.structured_output.request import StructuredOutputRequest
 
@@ -131,9 +132,7 @@ class StructuredOutputManager:
     def _rows(scheduled, requests: dict) -> list[tuple]:
         pairs = []
         for i, r in enumerate(scheduled):
-            req = requests.get(r.request_id)
-            if req is not None and r.serial is not None and r.serial != req.serial:
-                req = None      # an earlier request under this id (Request.serial)
+            req = live_request(requests, r)
             grammar = req.structured_output_request if req is not None else None
             if r.do_sample and grammar is not None and grammar.matcher is not None \
                     and grammar.error is None:
@@ -160,9 +159,7 @@ class StructuredOutputManager:
             return      # fewer rows scheduled, so fewer constrained ones too
         grammars, pairs = [], []
         for r in scheduled:
-            req = requests.get(r.request_id)
-            if req is not None and r.serial is not None and r.serial != req.serial:
-                req = None      # an earlier request under this id (Request.serial)
+            req = live_request(requests, r)
             grammar = req.structured_output_request if req is not None else None
             if r.do_sample and grammar is not None and grammar.matcher is not None:
                 token = sampled[r.request_id]
