@@ -53,15 +53,18 @@ def kept_entries(cache: dict, requests, vocab_size: int, fallback_seeds: dict):
     return entries, kept
 
 
-def _padding_row() -> np.ndarray:
-    row = np.zeros(sampler.NUM_COLUMNS, np.int32)
-    for name, fill in (("top_p", 1.0), ("repetition_penalty", 1.0)):
-        row[sampler._COLUMNS[name][0]] = np.float32(fill).view(np.int32)
-    return row
-
-
-PADDING_ROW = _padding_row()   # greedy and neutral
 _TAIL = struct.Struct("<iiII")   # top_k, output_index, the seed's low and high words
+
+
+def _pack_row(floats: list[float], top_k: int, seed: int) -> bytes:
+    """One row's words in sampler._COLUMNS order: temperature, top_p, min_p, presence,
+    frequency and repetition penalties (f32), top_k, output_index 0, the seed's words."""
+    return (np.array(floats, np.float32).tobytes()
+            + _TAIL.pack(top_k, 0, seed & 0xFFFFFFFF, seed >> 32))
+
+
+# Greedy and neutral.
+PADDING_ROW = np.frombuffer(_pack_row([0.0, 1.0, 0.0, 0.0, 0.0, 1.0], 0, 0), np.int32)
 
 
 def row_entry(p: SamplingParams, vocab_size: int, fallback_seed: int | None,
@@ -73,12 +76,10 @@ def row_entry(p: SamplingParams, vocab_size: int, fallback_seed: int | None,
     if seed is None and not p.is_greedy:
         seed = int((rng or np.random.default_rng()).integers(0, 2**63))
     seed = 0 if seed is None else seed % 2**64   # negative ints: the same 64-bit space
-    floats = np.array([0.0 if p.is_greedy else p.temperature, p.top_p, p.min_p,
-                       p.presence_penalty, p.frequency_penalty, p.repetition_penalty],
-                      np.float32)
-    # The columns' order (sampler._COLUMNS): six f32, top_k, output_index, seed words.
-    row = floats.tobytes() + _TAIL.pack(top_k, 0, seed & 0xFFFFFFFF, seed >> 32)
-    small = fits_small_top_k(top_k, float(floats[1]))
+    row = _pack_row([0.0 if p.is_greedy else p.temperature, p.top_p, p.min_p,
+                     p.presence_penalty, p.frequency_penalty, p.repetition_penalty],
+                    top_k, seed)
+    small = fits_small_top_k(top_k, float(np.float32(p.top_p)))
     bits = (_GREEDY * p.is_greedy | _PENALTIES * p.uses_penalties
             | _FILTERS * p.uses_filters | _LOGPROBS * bool(p.logprobs)
             | _NOT_SMALL * (not small) | _MIN_TOKENS * (p.min_tokens > 0))
@@ -126,18 +127,17 @@ def build(entries: Sequence[RowEntry], output_indices: Sequence[int], pad_to_row
             any_bits |= e.bits
             all_bits &= e.bits
     params = [e.params for e in entries]
-    none = [[] for _ in entries]
+    # What _pad_token_lists makes of empty lists, without walking them.
+    prompt = output = blocked = np.full((s, 1), -1, np.int32)
     penalties = bool(any_bits & _PENALTIES)
     if penalties:
-        prompt = _penalty_rows(params, prompt_token_lists())
-        output = _penalty_rows(params, output_token_lists())
-    else:
-        prompt = output = none
-    blocked = (_blocked_token_lists(params, output_indices, eos_token_ids)
-               if any_bits & _MIN_TOKENS else none)
-    md = sampler.SamplingMetadata(rows=rows, prompt_tokens=_pad_token_lists(prompt, s),
-                                  output_tokens=_pad_token_lists(output, s),
-                                  blocked_tokens=_pad_token_lists(blocked, s))
+        prompt = _pad_token_lists(_penalty_rows(params, prompt_token_lists()), s)
+        output = _pad_token_lists(_penalty_rows(params, output_token_lists()), s)
+    if any_bits & _MIN_TOKENS:
+        blocked = _pad_token_lists(_blocked_token_lists(params, output_indices,
+                                                        eos_token_ids), s)
+    md = sampler.SamplingMetadata(rows=rows, prompt_tokens=prompt, output_tokens=output,
+                                  blocked_tokens=blocked)
     filters = bool(any_bits & _FILTERS)
     flags = sampler.SamplerFlags(
         use_penalties=penalties or bool((md.blocked_tokens >= 0).any()),
