@@ -191,7 +191,7 @@ def engine_runs(args, prefix_caching: bool) -> dict:
     res.update(prefix=bench_prefix(llm, vocab), throughput=bench_throughput(llm, vocab, args))
     if prefix_caching:       # printed as it comes, so a run cut short keeps what it had
         print("defaults", res, flush=True)
-        # Again after the 1,512 requests above (the state this line was once read in).
+        # Again after the 1,512 requests above: an engine that has run a while.
         res["sampled_latency_after"] = bench_sampled_latency(llm, vocab, args.repeat)
         print("sampled_latency_after", res["sampled_latency_after"], flush=True)
         # Beside `bench_h200.py --max-num-seqs 1024 --max-num-batched-tokens 16384
