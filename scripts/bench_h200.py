@@ -26,6 +26,7 @@ ROOFLINE_NOTE = {
     "decode-1": "roofline ~268 tok/s",
     "throughput": "roofline ~49k tok/s",
     "sharegpt": "vLLM CI 22.6 req/s (real ShareGPT)",
+    "long-context": "issue 19: fp8 KV should beat bf16 KV (scripts/bench_fp8_kv_e2e.sh)",
 }
 
 
@@ -166,6 +167,34 @@ def bench_sharegpt(llm, vocab, args):
             "total_tok_s": (int(inp.sum()) + out_toks) / t, "seconds": t}
 
 
+def bench_long_context(llm, vocab, args):
+    """64 requests of 7,000 prompt tokens and 256 out, all at once: decode reads ~450k
+    tokens of KV a step, so the KV cache dtype shows in the wall-clock time."""
+    from jaxllm import SamplingParams
+    n, k_in, k_out = long_shape(args)
+    params = SamplingParams(temperature=0, max_tokens=k_out, ignore_eos=True)
+    # Fresh prompts each time: prefix caching would skip the prefill of a prompt it has seen.
+    warm = random_prompts(np.random.default_rng(40), n, min(k_in, 512), vocab)
+    timed_generate(llm, warm, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    runs = [timed_generate(llm, random_prompts(np.random.default_rng(41 + i), n, k_in, vocab),
+                           params) for i in range(args.repeat)]
+    assert all(len(o.outputs[0].token_ids) == k_out for _, outs in runs for o in outs)
+    times = [t for t, _ in runs]
+    t = statistics.median(times)
+    return {"seconds_median": t, "seconds_all": [round(x, 3) for x in times],
+            "output_tok_s": n * k_out / t, "total_tok_s": n * (k_in + k_out) / t,
+            "shape": [n, k_in, k_out], "kv_cache_dtype": args.kv_cache_dtype}
+
+
+def long_shape(args):
+    """(requests, prompt tokens, output tokens) of long-context, checked against max_model_len."""
+    n, k_in, k_out = (int(x) for x in args.long_shape.split(","))
+    if args.max_model_len < k_in + k_out:
+        raise ValueError(f"long-context needs --max-model-len >= {k_in + k_out} "
+                         f"({k_in} in + {k_out} out), got {args.max_model_len}")
+    return n, k_in, k_out
+
+
 def hf_peer(model_dir, vocab, args):
     """HF transformers `generate` on the same shape with random bf16 weights."""
     import torch
@@ -218,8 +247,8 @@ def hf_sharegpt(model, vocab, n=128, batch=64):
             "sharegpt_requests": n}
 
 
-WORKLOADS = {"latency": bench_latency, "decode-1": bench_decode1,
-             "throughput": bench_throughput, "sharegpt": bench_sharegpt}
+WORKLOADS = {"latency": bench_latency, "decode-1": bench_decode1, "throughput": bench_throughput,
+             "sharegpt": bench_sharegpt, "long-context": bench_long_context}
 
 
 def main():
@@ -236,6 +265,8 @@ def main():
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--quantization", default=None,
                     help="fp8 | int8: random quantized weights of the model's shape (W8A8)")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="auto (bf16 here) | fp8")
+    ap.add_argument("--long-shape", default="64,7000,256", help="long-context's n,in,out")
     ap.add_argument("--hf-peer", action="store_true")
     ap.add_argument("--hf-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--hf-sharegpt-requests", type=int, default=64)
@@ -250,6 +281,8 @@ def main():
                          "run with the same --compile-cache for a warm restart)")
     args = ap.parse_args()
     args.workloads = args.workloads.split(",")
+    if "long-context" in args.workloads:
+        long_shape(args)    # a too-short --max-model-len fails before the start-up
     if args.hf_only:
         print(json.dumps(hf_peer(args.model, vocab_of(args.model), args)))
         return
@@ -274,7 +307,7 @@ def main():
     vocab = read_hf_config(args.model)["vocab_size"]
     results = {"model": args.model, "device": str(jax.devices()[0].device_kind),
                "tp": args.tensor_parallel_size, "tag": args.tag,
-               "quantization": args.quantization}
+               "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype}
     if hf is not None:
         results["hf"] = hf
     t0 = time.perf_counter()
@@ -283,7 +316,8 @@ def main():
               max_num_batched_tokens=args.max_num_batched_tokens,
               attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
               tensor_parallel_size=args.tensor_parallel_size,
-              async_scheduling=not args.no_async_scheduling, quantization=args.quantization)
+              async_scheduling=not args.no_async_scheduling, quantization=args.quantization,
+              kv_cache_dtype=args.kv_cache_dtype)
     results["startup_s"] = time.perf_counter() - t0
     results["startup_breakdown"] = llm.llm_engine.startup_breakdown
     results["compile_cache"] = compilation_cache.summary()
@@ -341,6 +375,7 @@ def run_subprocess(extra):
 
 def print_table(r):
     print(f"\n== {r['model']} on {r['device']} TP={r['tp']} backend={r.get('backend')} "
+          f"KV {r.get('kv_cache_dtype', 'auto')} "
           f"start-up {r['startup_s']:.1f} s {r.get('startup_breakdown')}")
 
     hf = r.get("hf", {})
@@ -349,15 +384,16 @@ def print_table(r):
         ("decode-1", "output_tok_s", "out tok/s", 268.0),
         ("throughput", "total_tok_s", "total tok/s", 49000.0),
         ("sharegpt", "requests_s", "req/s", hf.get("sharegpt_requests_s")),
+        ("long-context", "seconds_median", "s", None),
     ]
     for name, key, unit, peer in rows:
         v = r.get(name, {}).get(key)
         if v is None:
             if name in r:
-                print(f"{name:11s} {r[name]}")
+                print(f"{name:12s} {r[name]}")
             continue
         ratio = f"{v / peer:.2f}x of peer/ceiling {peer:.1f}" if peer else ""
-        print(f"{name:11s} {v:10.1f} {unit:12s} {ratio}  ({ROOFLINE_NOTE[name]})")
+        print(f"{name:12s} {v:10.1f} {unit:12s} {ratio}  ({ROOFLINE_NOTE[name]})")
 
 
 if __name__ == "__main__":
