@@ -30,7 +30,8 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))      # bench_host
 
 # An array of at least 24 records: longer than max_tokens however the model fills it.
 SCHEMA = {"type": "array", "minItems": 24, "maxItems": 40, "items": {
@@ -113,6 +114,46 @@ def mask_cost(lltok, rows: int = 256, steps: int = 64, schema=SCHEMA) -> dict:
             f"step_{rows}_rows_ms_median": 1000 * statistics.median(batch), "cpus": os.cpu_count()}
 
 
+class StepPhases:
+    """Per engine step of a run: wall time, the engine thread's CPU time, its phases
+    (bench_host's PHASES), Python's collector, and the mask thread's bitmask uploads,
+    so a host-bound run shows where its steps go on the card's own host."""
+
+    def __init__(self, engine):
+        from bench_host import gc_timer, time_phases
+        self.phases, self.gc = time_phases(engine), gc_timer()
+        self.steps, self.wall, self.cpu, self.upload = 0, 0.0, 0.0, 0.0
+        step, executor = engine.step, engine.engine_core.executor
+        upload = executor.upload_bitmask
+
+        def timed_step():
+            t, c = time.perf_counter(), time.thread_time()
+            try:
+                return step()
+            finally:
+                self.steps += 1
+                self.wall += time.perf_counter() - t
+                self.cpu += time.thread_time() - c
+
+        def timed_upload(mask):
+            t = time.perf_counter()
+            try:
+                return upload(mask)
+            finally:
+                self.upload += time.perf_counter() - t
+        engine.step, executor.upload_bitmask = timed_step, timed_upload
+
+    def snapshot(self) -> dict:
+        return {"steps": self.steps, "wall": self.wall, "engine_cpu": self.cpu,
+                "python gc": self.gc[0], "mask upload": self.upload, **self.phases}
+
+    @staticmethod
+    def per_step(before: dict, after: dict) -> dict:
+        n = max(after["steps"] - before["steps"], 1)
+        return {"steps": n, **{f"{k}_ms": round(1000 * (after[k] - before.get(k, 0.0)) / n, 3)
+                               for k in after if k != "steps"}}
+
+
 def run(llm, prompts, params) -> tuple[float, list]:
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -156,6 +197,16 @@ def bench_engine(args) -> dict:
     run(llm, prompts[:8], [constrained(i) for i in range(8)])          # warm both paths
     run(llm, prompts[:8], [plain(i) for i in range(8)])
     runs: dict[str, list] = {}
+    phases = StepPhases(engine) if args.phases else None
+    res["phases"] = phases_by_run = {}
+
+    def timed(label, fn, *a):
+        before = phases.snapshot() if phases else None
+        out = fn(*a)
+        if phases:
+            phases_by_run.setdefault(label, []).append(
+                StepPhases.per_step(before, phases.snapshot()))
+        return out
     combos = [(si, t) for si in args.switch_intervals for t in args.mask_threads]
 
     def configure(si, threads):     # what the manager sets once a constrained request came
@@ -168,10 +219,11 @@ def bench_engine(args) -> dict:
         for si, threads in combos:
             configure(si, threads)
             key = f"{si * 1000:g}ms/{threads}t"
-            t, outs = run(llm, prompts, [plain(i) for i in range(n)])
+            t, outs = timed("plain", run, llm, prompts, [plain(i) for i in range(n)])
             plain_tps, plain_half = out_tokens(outs) / t, half_rate(outs, 0)
             mask0, wait0 = som.mask_seconds, som.mask_wait_seconds
-            t, outs = run(llm, prompts, [constrained(i) for i in range(n)])
+            t, outs = timed(f"constrained {key}", run, llm, prompts,
+                            [constrained(i) for i in range(n)])
             res["constrained_finish"] = sorted({o.outputs[0].finish_reason for o in outs})
             steps = args.max_tokens
             runs.setdefault(key, []).append({
@@ -181,7 +233,7 @@ def bench_engine(args) -> dict:
                 "mask_ms_per_step": 1000 * (som.mask_seconds - mask0) / steps,
                 "mask_wait_ms_per_step": 1000 * (som.mask_wait_seconds - wait0) / steps})
             params = [constrained(i) if i % 2 else plain(i) for i in range(n)]
-            _, outs = run(llm, prompts, params)
+            _, outs = timed(f"mix {key}", run, llm, prompts, params)
             runs[key][-1]["mix_slowdown"] = 1 - half_rate(outs, 0) / plain_half
             if (si, threads) == combos[0]:
                 t, outs = run(llm, prompts, [constrained(i, SCHEMA_MAXLENGTH) for i in range(n)])
@@ -225,6 +277,9 @@ def main():
     ap.add_argument("--mask-threads", type=lambda v: [int(x) for x in v.split(",")],
                     default=None, metavar="N,N", help="llguidance threads for the masks "
                     "(default: the manager's)")
+    ap.add_argument("--phases", action="store_true",
+                    help="per engine step of each run: wall and engine-thread CPU time, "
+                         "the step's host phases, the collector and the mask uploads")
     ap.add_argument("--mask-cost-only", action="store_true",
                     help="host cost of masks at vocab 49k (SmolLM2) and 152k (Qwen), no engine")
     args = ap.parse_args()
@@ -255,6 +310,9 @@ def main():
               f"{r['mask_ms_per_step']:.2f} ms/step, engine waited "
               f"{r['mask_wait_ms_per_step']:.2f} ms/step"
               + (f"; maxLength strings {r['maxlength_ratio']:.3f}" if "maxlength_ratio" in r else ""))
+    for label, rs in res.get("phases", {}).items():
+        for r in rs:
+            print(f"{label}: " + ", ".join(f"{k.removesuffix('_ms')} {v:g}" for k, v in r.items()))
     if "ttft_new_schema_ms" in res:
         print(f"TTFT new schema {res['ttft_new_schema_ms']:.1f} ms vs plain "
               f"{res['ttft_plain_ms']:.1f} ms (goal <= plain + 20 ms)")
