@@ -58,6 +58,7 @@ def test_a_heap_frozen_by_the_caller_stays_frozen():
         frozen = gc.get_freeze_count()
         engine = FakeEngine(["a"])
         bare_llm(engine)._run_engine(["a"], use_tqdm=False)
-        assert gc.get_freeze_count() >= frozen
+        # Still frozen (objects freed meanwhile leave the count, so not exactly equal).
+        assert gc.get_freeze_count() > frozen // 2 > 0
     finally:
         gc.unfreeze()
