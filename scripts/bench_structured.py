@@ -209,22 +209,18 @@ def bench_engine(args) -> dict:
             phases_by_run.setdefault(label, []).append(
                 StepPhases.per_step(before, phases.snapshot()))
         return out
-    combos = [(si, t, w) for si in args.switch_intervals for t in args.mask_threads
-              for w in args.sampler_thread]
-    executor = engine.engine_core.executor
-    on_any_thread = executor.samples_on_any_thread
+    combos = [(si, t) for si in args.switch_intervals for t in args.mask_threads]
 
-    def configure(si, threads, where="mask"):  # what the manager sets once one came
-        executor.samples_on_any_thread = on_any_thread if where == "mask" else lambda: False
+    def configure(si, threads):     # what the manager sets once a constrained request came
         som.gil_switch_interval = si
         sys.setswitchinterval(si)
         som.set_mask_threads(threads)
     # Host-bound runs drift by tens of percent within one process, so each figure is
     # the median over repeats of a ratio to the plain run just before it.
     for _ in range(args.repeat):
-        for si, threads, where in combos:
-            configure(si, threads, where)
-            key = f"{si * 1000:g}ms/{threads}t" + ("" if where == "mask" else "/engine-sampler")
+        for si, threads in combos:
+            configure(si, threads)
+            key = f"{si * 1000:g}ms/{threads}t"
             t, outs = timed("plain", run, llm, prompts, [plain(i) for i in range(n)])
             plain_tps, plain_half = out_tokens(outs) / t, half_rate(outs, 0)
             mask0, wait0 = som.mask_seconds, som.mask_wait_seconds
@@ -241,7 +237,7 @@ def bench_engine(args) -> dict:
             params = [constrained(i) if i % 2 else plain(i) for i in range(n)]
             _, outs = timed(f"mix {key}", run, llm, prompts, params)
             runs[key][-1]["mix_slowdown"] = 1 - half_rate(outs, 0) / plain_half
-            if (si, threads, where) == combos[0]:
+            if (si, threads) == combos[0]:
                 t, outs = run(llm, prompts, [constrained(i, SCHEMA_MAXLENGTH) for i in range(n)])
                 runs[key][-1]["maxlength_ratio"] = out_tokens(outs) / t / plain_tps
     res["all_runs"] = runs
@@ -283,10 +279,6 @@ def main():
     ap.add_argument("--mask-threads", type=lambda v: [int(x) for x in v.split(",")],
                     default=None, metavar="N,N", help="llguidance threads for the masks "
                     "(default: the manager's)")
-    ap.add_argument("--sampler-thread", type=lambda v: v.split(","), default=["mask"],
-                    metavar="W,W", help="who launches a constrained step's sampler: mask "
-                    "(the mask thread, once the bitmask is up: the engine's default on one "
-                    "process), engine (the engine thread, before the next model)")
     ap.add_argument("--phases", action="store_true",
                     help="per engine step of each run: wall and engine-thread CPU time, "
                          "the step's host phases, the collector and the mask uploads")

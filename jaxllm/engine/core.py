@@ -8,9 +8,9 @@ launched. Penalties read a request's output tokens on the host, so a step holdin
 such a request is read back before the next one is scheduled. A step with a
 structured-output request launches its model, reads the previous step back (its
 tokens advance the grammars) and has its grammar bitmask computed on other threads
-while this one returns the outputs and schedules again; the mask thread launches its
-sampler once the mask is ready (multi-host: this thread, before the next model). The
-device runs the model meanwhile, so masks cost neither the device nor this thread.
+while this one returns the outputs and schedules again; its sampler launches at the
+start of the next step, before the next model. The device runs the model meanwhile,
+so masks cost neither the device nor this thread.
 
 Speculative decoding (the executor's ``speculative_config``): a step that drafts reads
 the previous step back first (the drafts need its tokens) and has the executor's
@@ -61,8 +61,7 @@ class EngineCore:
         self.structured_output_manager = structured_output_manager
         self.seeds: dict[str, int] = {}     # request id -> its sampling seed
         self._in_flight: tuple[SchedulerOutput, Any] | None = None   # launched, not read
-        # A launched step whose sampler waits for its grammar bitmask: (handle, Future,
-        # whether the mask thread launches the sampler).
+        # A launched step whose sampler waits for its grammar bitmask: (handle, Future).
         self._pending_mask: tuple[Any, Any] | None = None
 
     def add_request(self, request: Request, seed: int) -> None:
@@ -141,27 +140,18 @@ class EngineCore:
     def _start_masks(self, so: SchedulerOutput, handle) -> None:
         """Have the grammar bitmask of a step whose model is running computed (and
         copied to the device) on the manager's threads, while this thread goes on (the
-        outputs, the next schedule and inputs). On one process the mask thread then
-        launches the step's sampler itself, as soon as its mask is ready: the device
-        samples while this thread schedules, so reading the tokens back does not
-        wait for it. Multi-host, the sampler's message to the followers must keep its
-        place among this thread's, so this thread launches it."""
-        som, executor = self.structured_output_manager, self.executor
-        launch = functools.partial(executor.sample_tokens, handle) \
-            if executor.samples_on_any_thread() else None
+        outputs, the next schedule and inputs)."""
         # The handle's rows: a request verifying drafts has one row per draft.
-        self._pending_mask = handle, som.start_bitmask(
-            handle.scheduled, self.scheduler.requests, executor.sampler_rows(handle),
-            executor.upload_bitmask, launch), launch is not None
+        self._pending_mask = handle, self.structured_output_manager.start_bitmask(
+            handle.scheduled, self.scheduler.requests, self.executor.sampler_rows(handle),
+            self.executor.upload_bitmask)
 
     def _finish_sampling(self, handle) -> None:
-        """Have the sampler of a step that waits for its grammar bitmask launched."""
+        """Launch the sampler of a step that waits for its grammar bitmask."""
         if self._pending_mask is not None and self._pending_mask[0] is handle:
-            _, future, launched = self._pending_mask
+            bitmask = self.structured_output_manager.bitmask(self._pending_mask[1])
             self._pending_mask = None
-            bitmask = self.structured_output_manager.bitmask(future)
-            if not launched:
-                self.executor.sample_tokens(handle, bitmask)
+            self.executor.sample_tokens(handle, bitmask)
 
     def _wait_for_grammars(self) -> None:
         """Nothing ran: the waiting requests may be held for their grammars."""

@@ -121,12 +121,6 @@ class Executor:
                              else np.asarray(grammar_bitmask))
         self.runner.sample_tokens(handle, grammar_bitmask)
 
-    def samples_on_any_thread(self) -> bool:
-        """Whether sample_tokens may be called from another thread than the engine's:
-        on one process. Multi-host its message to the followers must keep its place
-        among the engine thread's."""
-        return self.leader is None
-
     def sampler_rows(self, handle) -> int:
         return self.runner.sampler_rows(handle)
 

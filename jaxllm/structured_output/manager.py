@@ -119,18 +119,14 @@ class StructuredOutputManager:
         self.num_compiled += 1
         return matcher
 
-    def start_bitmask(self, scheduled, requests: dict, rows: int, upload,
-                      then=None) -> Future:
+    def start_bitmask(self, scheduled, requests: dict, rows: int, upload) -> Future:
         """The step's grammar bitmask i32[rows, W] (rows >= the scheduled rows; the
         rest, and rows of requests finished since they were scheduled, all ones),
-        computed on the mask thread, then `upload(mask)`'s result (the device copy),
-        and `then(result)`'s when given (the engine core's sampler launch). `requests`:
-        the live requests by id. The rows' matchers are taken now; none may advance
-        until the result is read."""
+        computed on the mask thread, then `upload(mask)`'s result (the device copy).
+        `requests`: the live requests by id. The rows' matchers are taken now; none
+        may advance until the result is read."""
         pairs = self._rows(scheduled, requests)
-        if then is None:
-            return self._mask_pool.submit(lambda: upload(self._fill(pairs, rows)))
-        return self._mask_pool.submit(lambda: then(upload(self._fill(pairs, rows))))
+        return self._mask_pool.submit(lambda: upload(self._fill(pairs, rows)))
 
     @staticmethod
     def _rows(scheduled, requests: dict) -> list[tuple]:
