@@ -15,13 +15,21 @@ first use), then
   then one of each traced: device kernel time, span and kernels per engine step
   (span - kernel time = the device idle, waiting for the host).
 
-    python3 scripts/dispatch_flags.py [--variants default,no_cmdbuf]
+    python3 scripts/dispatch_flags.py [--variants default,no_cmdbuf] [--quick]
+        [--quantization fp8]
+
+--quick leaves out the sampler's launch figures and the filtered `latency` runs. Each
+variant also reports where a step's launch goes (packing its inputs against calling
+the program, with new inputs and with the same input buffer again), the launch of a
+program of N small arguments (the cost of each argument), and a digest of the greedy
+`latency` tokens (equal digests: the variant computes what the default does).
 
 JSON to $OUT/dispatch_flags.json when OUT is set.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -36,6 +44,20 @@ VARIANTS = {
     "default": "",
     "no_cmdbuf": "--xla_gpu_enable_command_buffer=",
     "cmdbuf_min1": "--xla_gpu_graph_min_graph_size=1",
+    # CUDA graphs recorded once and replayed without updating their nodes' addresses
+    # (XLA remaps the buffers' physical memory under fixed virtual addresses instead).
+    "never_update": "--xla_gpu_command_buffer_update_mode=NEVER_UPDATE",
+    "capture_never_update": "--xla_gpu_command_buffer_update_mode=CAPTURE_CMD_NEVER_UPDATE",
+    # Programmatic dependent launch: a kernel may start while the one before drains.
+    "pdl": "--xla_gpu_enable_pdl=true",
+    "concurrent": "--xla_gpu_command_buffer_scheduling_mode=CONCURRENT",
+    "exhaustive_tiling": "--xla_gpu_exhaustive_tiling_search=true",
+    # No dot merger: the q and k/v projections as two dots (merged, XLA concatenates
+    # their weights, in place inside a Triton GEMM or as a copy before cuBLAS).
+    "no_dot_merger": "--xla_gpu_dot_merger_threshold_mb=0",
+    # Triton fusions with several outputs: a residual add could join the RMSNorm after it.
+    "triton_mof": "--xla_gpu_unsupported_enable_triton_multi_output_fusion=true",
+    "heroless": "--xla_gpu_experimental_enable_triton_heroless_priority_fusion=true",
 }
 
 
@@ -76,28 +98,117 @@ def _pipelined(runner, arrays, decode_only, md, flags, fn, n=60) -> dict:
             "wall_per_step": round(1e6 * wall, 1)}
 
 
-def measure(model: str) -> dict:
+def _launch_parts(runner, arrays, decode_only, n=50) -> dict:
+    """Host us per launch: packing the inputs, calling the step with them, and calling
+    it again with the same (unchanged) input buffer."""
+    import jax
+    from jaxllm.runner.step_inputs import StepInputs
+    pack, call_new, call_same, call_np = [], [], [], []
+    inputs = StepInputs.pack(arrays, decode_only, runner._replicated)
+    as_numpy = dataclasses.replace(inputs, packed=np.asarray(inputs.packed))
+    out, runner.kv_caches = runner._step(runner._leaves, runner.kv_caches,
+                                         runner._token_buf, as_numpy)[:2]
+    for _ in range(n):
+        jax.block_until_ready((out, runner.kv_caches))
+        t0 = time.perf_counter()
+        fresh = StepInputs.pack(arrays, decode_only, runner._replicated)
+        t1 = time.perf_counter()
+        out, runner.kv_caches = runner._step(runner._leaves, runner.kv_caches,
+                                             runner._token_buf, fresh)[:2]
+        t2 = time.perf_counter()
+        jax.block_until_ready((out, runner.kv_caches))
+        t3 = time.perf_counter()
+        out, runner.kv_caches = runner._step(runner._leaves, runner.kv_caches,
+                                             runner._token_buf, inputs)[:2]
+        t4 = time.perf_counter()
+        jax.block_until_ready((out, runner.kv_caches))
+        t5 = time.perf_counter()
+        # The packed inputs as a numpy array: jit's C++ path copies it to the device.
+        out, runner.kv_caches = runner._step(runner._leaves, runner.kv_caches,
+                                             runner._token_buf, as_numpy)[:2]
+        call_np.append(time.perf_counter() - t5)
+        pack.append(t1 - t0)
+        call_new.append(t2 - t1)
+        call_same.append(t4 - t3)
+    jax.block_until_ready((out, runner.kv_caches))
+    med = lambda xs: round(1e6 * statistics.median(xs[5:]), 1)  # noqa: E731
+    return {"pack": med(pack), "call_new_inputs": med(call_new),
+            "call_same_inputs": med(call_same), "call_numpy_inputs": med(call_np), "args": len(runner._leaves) + len(
+                jax.tree.leaves(runner.kv_caches)) + 2}
+
+
+def _args_launch_us() -> dict:
+    """Host us to launch a program of N small arguments (one fusion adds them)."""
+    import functools
+    import operator
+    import jax
+    import jax.numpy as jnp
+    res = {}
+    for n in (1, 64, 360):
+        xs = [jnp.full((8,), i, jnp.bfloat16) for i in range(n)]
+        f = jax.jit(lambda *a: functools.reduce(operator.add, a))
+        res[n] = _host_launch_us(lambda: f(*xs))
+    return res
+
+
+def _digest(outs) -> str:
+    import hashlib
+    ids = [list(o.outputs[0].token_ids) for o in outs]
+    return hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]
+
+
+def _trace_dir(name: str, quantization: str | None) -> str | None:
+    """$OUT/<quantization>-<variant>, for the host traces; None without OUT."""
+    if not os.environ.get("OUT"):
+        return None
+    path = os.path.join(os.environ["OUT"], f"{quantization or 'bf16'}-{name}")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def measure(model: str, quick: bool = False, quantization: str | None = None,
+            name: str = "default") -> dict:
     sys.path.insert(0, HERE)
     sys.path.insert(0, os.path.join(HERE, ".."))
-    import jax
     import step_profile
-    from bench_h200 import random_prompts, timed_generate
-    from jaxllm import LLM, SamplingParams
+    from jaxllm import LLM
     from jaxllm.models.loader import read_hf_config
-    from jaxllm.runner import sampling_rows
     vocab = read_hf_config(model)["vocab_size"]
     llm = LLM(model, load_format="dummy", dtype="bfloat16", max_model_len=1024,
-              max_num_seqs=8, max_num_batched_tokens=512, enforce_eager=True)
+              max_num_seqs=8, max_num_batched_tokens=512, enforce_eager=True,
+              quantization=quantization)
     runner = llm.llm_engine.runner
-    res = {}
+    res = {"args_launch_us": _args_launch_us()}
     for label, batch in (("b1", 1), ("b8", 8)):
         arrays, decode_only = step_profile.step_arrays(runner, batch, 600 if batch == 1 else 100)
         res[f"step_{label}_launch_us"] = _host_launch_us(
             lambda: runner.launch_step(arrays, decode_only))
+        res[f"step_{label}_launch_parts_us"] = _launch_parts(runner, arrays, decode_only)
         res[f"step_{label}"] = step_profile.time_steps(runner, arrays, decode_only, iters=50)
-        prof = step_profile.profile(runner, arrays, decode_only)
+        prof = step_profile.profile(runner, arrays, decode_only, top=40)
+        res[f"step_{label}_top"] = prof.get("top")
         res[f"step_{label}_kernels"] = prof.get("kernels_per_step")
         res[f"step_{label}_kernel_ms"] = prof.get("kernel_ms_per_step")
+        if label == "b1" and name == "default" and _trace_dir(name, quantization):
+            # The optimized HLO of the decode step, to read its fusions offline.
+            hlo = runner.lower_step(arrays, decode_only).compile().as_text()
+            with open(os.path.join(_trace_dir(name, quantization), "decode_b1.hlo.txt"),
+                      "w") as f:
+                f.write(hlo)
+        res[f"step_{label}_host"] = step_profile.host_profile(runner, arrays, decode_only,
+                                                              keep=_trace_dir(name, quantization),
+                                                              tag=label)
+    if not quick:
+        res.update(_sampler_figures(runner, vocab))
+    return res | _latency(llm, vocab, quick)
+
+
+def _sampler_figures(runner, vocab) -> dict:
+    import jax
+    import step_profile
+    from jaxllm import SamplingParams
+    from jaxllm.runner import sampling_rows
+    res = {}
     logits = runner.launch_step(*step_profile.step_arrays(runner, 8, 100))
     filt = [SamplingParams(temperature=0.8, top_p=0.95, top_k=50, seed=i) for i in range(8)]
     for name, params in (("greedy", [SamplingParams(temperature=0)] * 8), ("filters", filt)):
@@ -122,14 +233,25 @@ def measure(model: str) -> dict:
                     runner, arrays, decode_only, md, flags, fn)
             except Exception as e:  # noqa: BLE001 - keep the other variants
                 res[f"pipelined_{name}_{sname}_us"] = {"error": repr(e)[:300]}
+    return res
+
+
+def _latency(llm, vocab, quick: bool) -> dict:
+    import step_profile
+    from bench_h200 import random_prompts, timed_generate
+    from jaxllm import SamplingParams
+    res = {}
     prompts = random_prompts(np.random.default_rng(0), 8, 32, vocab)
     common = dict(max_tokens=128, ignore_eos=True)
-    modes = {"greedy": SamplingParams(temperature=0, **common),
-             "filters": [SamplingParams(temperature=0.8, top_p=0.95, top_k=50, seed=i, **common)
-                         for i in range(8)]}
+    modes = {"greedy": SamplingParams(temperature=0, **common)}
+    if not quick:
+        modes["filters"] = [SamplingParams(temperature=0.8, top_p=0.95, top_k=50, seed=i,
+                                           **common) for i in range(8)]
     walls = {k: [] for k in modes}
-    for params in modes.values():
-        timed_generate(llm, prompts, params)
+    for k, params in modes.items():
+        outs = timed_generate(llm, prompts, params)[1]
+        if k == "greedy":
+            res["greedy_digest"] = _digest(outs)
     for _ in range(3):
         for k, params in modes.items():
             walls[k].append(round(1000 * timed_generate(llm, prompts, params)[0], 1))
@@ -145,21 +267,32 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="configs/models/llama-3.1-8b")
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--timeout", type=float, default=600, help="seconds per variant")
+    ap.add_argument("--quantization", default=None)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print("RESULT " + json.dumps(measure(args.model)), flush=True)
+        print("RESULT " + json.dumps(measure(args.model, args.quick, args.quantization,
+                                                      args.child)),
+              flush=True)
         return
     results = {}
     for name in args.variants.split(","):
         env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " "
                                           + VARIANTS[name]).strip())
         t0 = time.perf_counter()
-        proc = subprocess.run([sys.executable, __file__, "--model", args.model, "--child", name],
-                              env=env, capture_output=True, text=True)
-        lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-        results[name] = (json.loads(lines[-1][7:]) if lines
-                         else {"error": (proc.stderr or proc.stdout)[-1500:]})
+        cmd = [sys.executable, __file__, "--model", args.model, "--child", name]
+        cmd += ["--quick"] * args.quick + (["--quantization", args.quantization]
+                                           if args.quantization else [])
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                                  timeout=args.timeout)
+            lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+            results[name] = (json.loads(lines[-1][7:]) if lines
+                             else {"error": (proc.stderr or proc.stdout)[-1500:]})
+        except subprocess.TimeoutExpired:
+            results[name] = {"error": f"over {args.timeout} s"}
         results[name]["process_s"] = round(time.perf_counter() - t0, 1)
         print(name, json.dumps(results[name]), flush=True)
     out = os.environ.get("OUT")

@@ -85,6 +85,38 @@ def profile(runner, arrays, decode_only, iters=5, top=12) -> dict:
     return summarize(events, iters, top)
 
 
+def host_profile(runner, arrays, decode_only, iters=10, top=40, keep=None,
+                 tag="step") -> dict:
+    """Where a launch's host time goes: a trace of `iters` launches, each after the
+    last finished (the device idle), its host events summed per name (inclusive
+    times, us per launch). `keep`: a folder to copy the trace file into, named by
+    `tag`."""
+    import shutil
+    import jax
+    jax.block_until_ready(runner.launch_step(arrays, decode_only))
+    folder = tempfile.mkdtemp(prefix="jaxllm-trace-")
+    with jax.profiler.trace(folder):
+        for _ in range(iters):
+            jax.block_until_ready(runner.launch_step(arrays, decode_only))
+    files = glob.glob(os.path.join(folder, "plugins", "profile", "*", "*.trace.json.gz"))
+    if not files:
+        return {"error": f"no trace written under {folder}"}
+    if keep:
+        shutil.copy(files[0], os.path.join(keep, f"host_trace_{tag}.json.gz"))
+    with gzip.open(files[0]) as f:
+        events = json.load(f)["traceEvents"]
+    gpu_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+                and "GPU" in str(e.get("args", {}).get("name", ""))}
+    by_name = collections.defaultdict(lambda: [0.0, 0])
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") not in gpu_pids and "dur" in e:
+            name = re.sub(r"\d+", "#", str(e["name"]))[:80]
+            by_name[name][0] += e["dur"]
+            by_name[name][1] += 1
+    return {"top": [(n, round(d / iters, 1), round(c / iters, 1))
+                    for n, (d, c) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]]}
+
+
 def profile_engine(llm, prompts, params, steps: int, top=12) -> dict:
     """The whole engine (scheduling, sampling, host work) over one generate call:
     device kernel time and span per engine step; span - kernels = device idle."""

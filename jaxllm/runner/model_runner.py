@@ -78,7 +78,7 @@ class ModelRunner:
         # Compiled on first use, for the rare steps that carry prompt_logprobs requests.
         self._step_prompt = jax.jit(forward, donate_argnums=(1,), compiler_options=options)
         self._sample = jax.jit(_sample_into, static_argnums=(2,))
-        self.store = self._open_store(treedef)
+        self.store = self._open_store(treedef, options)
         # The warm-up's compiled programs, called directly; anything else goes through
         # the jits above. Deserializing holds the GIL on the CPU backend
         # (executable_store); on a GPU it is mostly loading kernels, so threads overlap.
@@ -87,7 +87,7 @@ class ModelRunner:
                                               1 if cpu else 8, self._rebuild_program,
                                               jax.process_count() == 1)
 
-    def _open_store(self, treedef) -> executable_store.ExecutableStore | None:
+    def _open_store(self, treedef, options) -> executable_store.ExecutableStore | None:
         """The executable store, when a compilation cache folder is configured and
         jax's cache is not capped at 0; not with several processes (unverified there:
         the tests run one process)."""
@@ -99,7 +99,7 @@ class ModelRunner:
                   executable_store.signature(self._leaves), repr(self.plan),
                   f"block_size={self.block_size} kv_dtype={kv_dtype} max_model_len="
                   f"{self.max_model_len} step donates (1,), out_shardings="
-                  f"{self._out_shardings()}"]
+                  f"{self._out_shardings()}, compiler options {options}"]
         if self.hidden_layers is not None:      # (unchanged keys without EAGLE)
             static.append(f"returns hidden_layers={self.hidden_layers}")
         return executable_store.ExecutableStore(self.config.compilation_cache_dir, self.mesh,

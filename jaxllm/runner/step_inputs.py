@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import jax
 import numpy as np
+from jax._src import core as jax_core
+from jax._src.lib import xla_client
 
 from jaxllm.layers.attention import AttentionMetadata
 
@@ -37,7 +39,7 @@ class StepInputs:
     def pack(cls, arrays: dict, decode_only: bool, sharding) -> "StepInputs":
         t, (s, w) = len(arrays["input_ids"]), arrays["block_tables"].shape
         packed = np.concatenate([np.ravel(arrays[k]) for k in _INPUT_FIELDS], dtype=np.int32)
-        return cls(jax.device_put(packed, sharding), t, s, w, decode_only)
+        return cls(put_replicated(packed, sharding), t, s, w, decode_only)
 
     def unpack(self):
         """(input_ids [T], positions [T], AttentionMetadata, logits_indices [S])."""
@@ -55,3 +57,17 @@ class StepInputs:
 jax.tree_util.register_dataclass(
     StepInputs, data_fields=["packed"],
     meta_fields=["num_tokens", "num_seqs", "width", "decode_only"])
+
+
+def put_replicated(x: np.ndarray, sharding) -> jax.Array:
+    """``jax.device_put(x, sharding)`` for a host array and a fully replicated sharding,
+    through the transfer call jax itself ends in: the same array, without
+    device_put's Python layers (tree handling, checks, dispatch), which took 0.4-0.6
+    ms of the H200 host's time per step against ~0.1 ms for the transfer itself."""
+    try:
+        devices = list(sharding._addressable_device_assignment)
+        return xla_client.batched_device_put(
+            jax_core.ShapedArray(x.shape, x.dtype), sharding, [x] * len(devices), devices,
+            True)
+    except (AttributeError, TypeError):      # another jax's internals: the public path
+        return jax.device_put(x, sharding)

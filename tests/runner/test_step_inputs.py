@@ -31,3 +31,23 @@ def test_pack_unpack_round_trip():
     other = StepInputs.pack(dict(arrays, block_tables=arrays["block_tables"][:2]), True,
                             jax.devices()[0])
     assert jax.tree.structure(other) != jax.tree.structure(inputs)
+
+
+def test_put_replicated_matches_device_put_without_it(monkeypatch):
+    """The step's upload is jax.device_put's result, reached without device_put's Python
+    layers (a fallback to device_put would hide a broken fast path: it is disabled)."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from jaxllm.runner.step_inputs import put_replicated
+    sharding = NamedSharding(Mesh(np.array(jax.devices()[:1]), ("tp",)), P())
+    x = np.arange(37, dtype=np.int32)
+    want = jax.device_put(x, sharding)
+
+    def no_device_put(*a, **k):
+        raise AssertionError("put_replicated fell back to jax.device_put")
+
+    monkeypatch.setattr(jax, "device_put", no_device_put)
+    got = put_replicated(x, sharding)
+    assert got.sharding == want.sharding and got.committed and got.dtype == np.int32
+    np.testing.assert_array_equal(np.asarray(got), x)
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda a: a * 2)(got)), 2 * x)
