@@ -264,7 +264,8 @@ def main():
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--quantization", default=None,
-                    help="fp8 | int8: random quantized weights of the model's shape (W8A8)")
+                    help="fp8 | int8 (W8A8) | awq | gptq (4-bit weights in groups of "
+                         "128): random quantized weights of the model's shape")
     ap.add_argument("--kv-cache-dtype", default="auto", help="auto (bf16 here) | fp8")
     ap.add_argument("--long-shape", default="64,7000,256", help="long-context's n,in,out")
     ap.add_argument("--hf-peer", action="store_true")

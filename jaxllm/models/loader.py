@@ -367,7 +367,8 @@ def _load_model(path, dtype_name, load_format, shardings, seed, quantization):
         arch = arch_from_hf_config(hf, path)
         # GGUF weights are quantized: dequantize to float32 unless a dtype is asked.
         dtype = resolve_dtype(dtype_name, "float32")
-        quant = resolve_quantization(None, quantization, arch.num_layers, path)
+        quant = resolve_quantization(None, quantization, arch.num_layers, path,
+                                     dummy=load_format == "dummy")
         if load_format == "dummy":
             return LoadedModel(arch, *dummy_state(arch, dtype, shardings, seed, quant),
                                path, quant)
@@ -377,7 +378,7 @@ def _load_model(path, dtype_name, load_format, shardings, seed, quantization):
         hf = read_hf_config(path)
         arch = arch_from_hf_config(hf, os.path.join(path, "config.json"))
         quant = resolve_quantization(hf, quantization, arch.num_layers,
-                                     os.path.join(path, "config.json"))
+                                     os.path.join(path, "config.json"), dummy=True)
         dtype = resolve_dtype(dtype_name, hf.get("torch_dtype") or hf.get("dtype"))
         return LoadedModel(arch, *dummy_state(arch, dtype, shardings, seed, quant), path, quant)
     return load_hf_folder(path, dtype_name, shardings, quantization)

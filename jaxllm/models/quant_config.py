@@ -22,13 +22,18 @@ _CT_FORMATS = ("float-quantized", "int-quantized", "pack-quantized")
 
 
 def resolve_quantization(hf: dict | None, flag: str | None, num_layers: int,
-                         source: str) -> QuantConfig | None:
+                         source: str, dummy: bool = False) -> QuantConfig | None:
     """The model's QuantConfig from its config.json dict `hf` (None: a GGUF file) and
-    the --quantization value `flag`; None for a float model."""
+    the --quantization value `flag`; None for a float model. `dummy` (random weights
+    of the model's shape): awq / gptq on a float config mean 4-bit weights in groups
+    of 128, those checkpoints' usual form, for benchmarks."""
     qc = (hf or {}).get("quantization_config")
     if qc is None:
         if flag in ONLINE_METHODS:
             return uniform_config(flag, num_layers, online_scheme(flag), online=True)
+        if dummy and flag in ("awq", "gptq"):
+            return uniform_config(flag, num_layers, LinearScheme("uint4", group=128),
+                                  online=False)
         if flag not in (None, "gguf"):
             raise CheckpointError(
                 f"{source}: quantization={flag!r} needs a checkpoint quantized that way, "

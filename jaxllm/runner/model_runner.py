@@ -33,7 +33,7 @@ from jaxllm.runner.compilation import CompilationManager, Program, first_request
 from jaxllm.runner.step_fn import dummy_arrays, step_compiler_options
 # Module names of their own: tests spy on them (one call is one trace).
 from jaxllm.runner.step_fn import forward as _forward, sample_into as _sample_into
-from jaxllm.runner.step_inputs import StepInputs
+from jaxllm.runner.step_inputs import StepInputs, put_replicated
 from jaxllm.runner.step_output import StepHandle, read_back, start_copies
 from jaxllm.runner.sampler import SamplerOutput, warm_up_variants
 from jaxllm.runner.sampling_rows import dummy_metadata
@@ -292,8 +292,9 @@ class ModelRunner:
         return handle.pending[0].shape[0]
 
     def upload_bitmask(self, bitmask: np.ndarray):
-        """A host bitmask i32[S, W] on the device (callable from any thread)."""
-        return jax.device_put(bitmask, self._replicated)
+        """A host bitmask i32[S, W] on the device (callable from any thread; without
+        device_put's Python layers, which would hold the GIL the engine thread needs)."""
+        return put_replicated(bitmask, self._replicated)
 
     def get_output(self, handle: StepHandle):
         """Wait for a launched step: (id -> SampleResult, id -> prompt logprob rows)."""

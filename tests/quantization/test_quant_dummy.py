@@ -1,6 +1,6 @@
-"""--load-format dummy with --quantization fp8 | int8: random quantized weights of the
-model's shape built on the device (benchmarks), the KV sizing counting the quantized
-weight bytes, and the start-up log line with the weights' GiB."""
+"""--load-format dummy with --quantization fp8 | int8 | awq | gptq: random quantized
+weights of the model's shape built on the device (benchmarks), the KV sizing counting
+the quantized weight bytes, and the start-up log line with the weights' GiB."""
 from __future__ import annotations
 
 import logging
@@ -79,3 +79,31 @@ def test_dummy_gptq_weights_dequantize_to_the_float_range(tmp_path):
     wf = (q - z[:, :1]) * s[:, :1]
     assert w.dtype == np.uint8 and 0.025 < np.abs(wf).max() <= 0.035 + 1e-6
     assert len(np.unique(q)) == 16
+
+
+@pytest.mark.parametrize("kind", ["awq", "gptq"])
+def test_dummy_4bit_on_a_float_config(tiny_model, kind):
+    """awq / gptq on a float model's config with dummy weights: 4-bit weights in groups
+    of 128 (those checkpoints' usual form) that dequantize to the float dummy range, and
+    an engine that runs them; real weights still need a quantized checkpoint."""
+    folder, _ = tiny_model("llama")
+    loaded = load_model(folder, "float32", "dummy", quantization=kind)
+    assert loaded.quant.method == kind
+    scheme = loaded.quant.scheme("layers.0.mlp.down_proj")
+    assert scheme.weight == "uint4" and scheme.group == 128 and scheme.act is None
+    state = dict(nnx.to_flat_state(loaded.state))
+    leaf = lambda name: np.asarray(state[("layers", 0, "mlp", "down_proj", name)].get_value())  # noqa: E731
+    w, s, z = leaf("weight"), leaf("weight_scale"), leaf("weight_zero_point")
+    a = loaded.arch
+    assert w.dtype == np.uint8 and w.shape == (a.hidden_size, a.intermediate_size // 2)
+    assert s.shape == z.shape == (a.hidden_size, -(-a.intermediate_size // 128))
+    q = np.stack([w & 15, w >> 4], -1).reshape(w.shape[0], -1).astype(np.float32)
+    wf = (q - z[:, :1]) * s[:, :1]
+    assert 0.025 < np.abs(wf).max() <= 0.035 + 1e-6 and len(np.unique(q)) == 16
+    llm = LLM(folder, load_format="dummy", quantization=kind, **ENGINE)
+    out = llm.generate([{"prompt_token_ids": [1, 2, 3]}],
+                       SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+    with pytest.raises(Exception, match="needs a checkpoint quantized that way"):
+        load_model(folder, "float32", "auto", quantization=kind)
