@@ -15,8 +15,8 @@ its remaining cases (the default options' autotuning of fp8 GEMMs is what is pro
 --pallas adds the small-M Pallas kernels (pallas_kernels/quant_matmul.py) beside them,
 at M = 1, 8, 16, 64 under the no_triton options unless --ms / --variants say: the
 W8A8 layer path with the kernel in place of XLA's dot (pallas_fp8, pallas_int8), and
-W4A16 with groups of 128 through XLA (xla_w4: grouped_dequant_matmul) and the kernel
-(pallas_w4). Rows then also print the weight's GB/s (weight and scales over the run
+W4A16 with groups of 128 through XLA (xla_w4: grouped_dequant_matmul; xla_u4: the
+weight typed uint4, which XLA's Triton GEMMs read packed) and the kernel (pallas_w4). Rows then also print the weight's GB/s (weight and scales over the run
 time), and the Pallas rows the kernel's largest error against its plain-jnp reference
 on the same inputs (relative to the largest output), so the kernels' first runs on a
 GPU check their numbers too. --pallas-settings '{"block_n":
@@ -55,7 +55,7 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
 VARIANTS = {"default": {}, "no_triton": {"xla_gpu_enable_triton_gemm": False},
             "autotune0": {"xla_gpu_autotune_level": 0}}
 STORE = {"fp8": jnp.float8_e4m3fn, "int8": jnp.int8}
-PALLAS_KINDS = ("pallas_fp8", "pallas_int8", "xla_w4", "pallas_w4")
+PALLAS_KINDS = ("pallas_fp8", "pallas_int8", "xla_w4", "pallas_w4", "xla_u4")
 W4_GROUP = 128
 
 
@@ -100,6 +100,24 @@ def w4(pallas: bool, settings: dict):
     return f
 
 
+def xla_u4(x, wq, s, z):
+    """W4A16 through XLA with the weight typed uint4 (XLA stores it two to a byte and
+    its Triton GEMMs read such weights in place), group scales and zeros in bf16."""
+    n, k = wq.shape
+    w = (wq.reshape(n, k // W4_GROUP, W4_GROUP).astype(jnp.bfloat16) - z[..., None]) \
+        * s[..., None]
+    return jnp.einsum("tk,nk->tn", x, w.reshape(n, k),
+                      preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def u4_args(x, n, k, key):
+    kq, ks, kz = jax.random.split(key, 3)
+    wq = jax.random.randint(kq, (n, k), 0, 16, jnp.int32).astype(jnp.uint4)
+    s = jax.random.uniform(ks, (n, k // W4_GROUP), jnp.float32, 0.001, 0.004)
+    z = jnp.round(jax.random.uniform(kz, (n, k // W4_GROUP), jnp.float32, 0.0, 15.0))
+    return x, wq, s.astype(jnp.bfloat16), z.astype(jnp.bfloat16)
+
+
 def w4_args(x, n, k, key):
     kq, ks, kz = jax.random.split(key, 3)
     wq = jax.random.randint(kq, (n, k // 2), 0, 256, jnp.int32).astype(jnp.uint8)
@@ -136,6 +154,8 @@ def case_args(kind, m, n, k, key, settings=None):
         return bf16, (x, w.astype(jnp.bfloat16))
     if kind in ("xla_w4", "pallas_w4"):
         return w4(kind == "pallas_w4", settings or {}), w4_args(x, n, k, kw)
+    if kind == "xla_u4":
+        return xla_u4, u4_args(x, n, k, kw)
     dtype = kind.removeprefix("pallas_")
     scale = jnp.max(jnp.abs(w), axis=1) / (448.0 if dtype == "fp8" else 127.0)
     wq = w / scale[:, None]
@@ -162,7 +182,9 @@ def case(kind, m, n, k, options, key, settings=None, copies=1):
     r = {"compile_s": round(compile_s, 2), "us": round(us, 1),
          "tflops": round(2 * m * n * k / us / 1e6, 1)}
     # The weight and its scales, read once a call: what bounds the small-M rows.
-    r["weight_gbps"] = round(sum(a.nbytes for a in args[1:]) / us / 1e3, 1)
+    # (numpy counts a uint4 element as a byte; XLA stores two to a byte)
+    nbytes = sum(a.size // 2 if a.dtype == jnp.uint4 else a.nbytes for a in args[1:])
+    r["weight_gbps"] = round(nbytes / us / 1e3, 1)
     if kind.startswith("pallas"):
         r["max_rel_err"] = pallas_error(kind, args, settings or {})
     return r
