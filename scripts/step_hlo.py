@@ -10,7 +10,6 @@ Writes ``$OUT/step_<label>.hlo.txt`` (``compiled.as_text()``) and
 from __future__ import annotations
 
 import argparse
-import glob
 import gzip
 import json
 import os
@@ -34,16 +33,10 @@ def cut_model(model_dir: str, layers: int) -> str:
 
 
 def kernels_in_order(runner, arrays, decode_only, iters=3):
-    import jax
-    jax.block_until_ready(runner.launch_step(arrays, decode_only))
-    folder = tempfile.mkdtemp(prefix="jaxllm-trace-")
-    with jax.profiler.trace(folder):
-        for _ in range(iters):
-            jax.block_until_ready(runner.launch_step(arrays, decode_only))
-    paths = glob.glob(os.path.join(folder, "plugins", "profile", "*", "*.trace.json.gz"))
-    if not paths:
+    import step_profile
+    path = step_profile.trace_synced_steps(runner, arrays, decode_only, iters)
+    if path is None:
         return []
-    path = paths[0]
     with gzip.open(path) as f:
         events = json.load(f)["traceEvents"]
     threads = {(e["pid"], e.get("tid")): str(e.get("args", {}).get("name", ""))

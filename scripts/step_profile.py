@@ -85,13 +85,9 @@ def profile(runner, arrays, decode_only, iters=5, top=12) -> dict:
     return summarize(events, iters, top)
 
 
-def host_profile(runner, arrays, decode_only, iters=10, top=40, keep=None,
-                 tag="step") -> dict:
-    """Where a launch's host time goes: a trace of `iters` launches, each after the
-    last finished (the device idle), its host events summed per name (inclusive
-    times, us per launch). `keep`: a folder to copy the trace file into, named by
-    `tag`."""
-    import shutil
+def trace_synced_steps(runner, arrays, decode_only, iters) -> str | None:
+    """The trace file of `iters` steps, each launched after the last finished (the
+    device idle at each launch); None when the profiler wrote none."""
     import jax
     jax.block_until_ready(runner.launch_step(arrays, decode_only))
     folder = tempfile.mkdtemp(prefix="jaxllm-trace-")
@@ -99,11 +95,22 @@ def host_profile(runner, arrays, decode_only, iters=10, top=40, keep=None,
         for _ in range(iters):
             jax.block_until_ready(runner.launch_step(arrays, decode_only))
     files = glob.glob(os.path.join(folder, "plugins", "profile", "*", "*.trace.json.gz"))
-    if not files:
-        return {"error": f"no trace written under {folder}"}
+    return files[0] if files else None
+
+
+def host_profile(runner, arrays, decode_only, iters=10, top=40, keep=None,
+                 tag="step") -> dict:
+    """Where a launch's host time goes: a trace of `iters` launches, each after the
+    last finished (the device idle), its host events summed per name (inclusive
+    times, us per launch). `keep`: a folder to copy the trace file into, named by
+    `tag`."""
+    import shutil
+    path = trace_synced_steps(runner, arrays, decode_only, iters)
+    if path is None:
+        return {"error": "the profiler wrote no trace"}
     if keep:
-        shutil.copy(files[0], os.path.join(keep, f"host_trace_{tag}.json.gz"))
-    with gzip.open(files[0]) as f:
+        shutil.copy(path, os.path.join(keep, f"host_trace_{tag}.json.gz"))
+    with gzip.open(path) as f:
         events = json.load(f)["traceEvents"]
     gpu_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
                 and "GPU" in str(e.get("args", {}).get("name", ""))}
