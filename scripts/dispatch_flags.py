@@ -29,7 +29,6 @@ JSON to $OUT/dispatch_flags.json when OUT is set.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
@@ -99,42 +98,30 @@ def _pipelined(runner, arrays, decode_only, md, flags, fn, n=60) -> dict:
 
 
 def _launch_parts(runner, arrays, decode_only, n=50) -> dict:
-    """Host us per launch: packing the inputs, calling the step with them, and calling
-    it again with the same (unchanged) input buffer."""
+    """Host us per launch: packing and uploading the inputs, calling the step with
+    them, and calling it again with the same (unchanged) input buffer."""
     import jax
-    from jaxllm.runner.step_inputs import StepInputs
-    pack, call_new, call_same, call_np = [], [], [], []
-    inputs = StepInputs.pack(arrays, decode_only, runner._replicated)
-    as_numpy = dataclasses.replace(inputs, packed=np.asarray(inputs.packed))
-    out, runner.kv_caches = runner._step(runner._leaves, runner.kv_caches,
-                                         runner._token_buf, as_numpy)[:2]
+    pack, call_new, call_same = [], [], []
+    inputs = runner.pack_inputs(arrays, decode_only)
+    out = None
     for _ in range(n):
         jax.block_until_ready((out, runner.kv_caches))
         t0 = time.perf_counter()
-        fresh = StepInputs.pack(arrays, decode_only, runner._replicated)
+        fresh = runner.pack_inputs(arrays, decode_only)
         t1 = time.perf_counter()
-        out, runner.kv_caches = runner._step(runner._leaves, runner.kv_caches,
-                                             runner._token_buf, fresh)[:2]
+        out = runner.launch_packed(fresh)
         t2 = time.perf_counter()
         jax.block_until_ready((out, runner.kv_caches))
         t3 = time.perf_counter()
-        out, runner.kv_caches = runner._step(runner._leaves, runner.kv_caches,
-                                             runner._token_buf, inputs)[:2]
-        t4 = time.perf_counter()
-        jax.block_until_ready((out, runner.kv_caches))
-        t5 = time.perf_counter()
-        # The packed inputs as a numpy array: jit's C++ path copies it to the device.
-        out, runner.kv_caches = runner._step(runner._leaves, runner.kv_caches,
-                                             runner._token_buf, as_numpy)[:2]
-        call_np.append(time.perf_counter() - t5)
+        out = runner.launch_packed(inputs)
+        call_same.append(time.perf_counter() - t3)
         pack.append(t1 - t0)
         call_new.append(t2 - t1)
-        call_same.append(t4 - t3)
     jax.block_until_ready((out, runner.kv_caches))
     med = lambda xs: round(1e6 * statistics.median(xs[5:]), 1)  # noqa: E731
     return {"pack": med(pack), "call_new_inputs": med(call_new),
-            "call_same_inputs": med(call_same), "call_numpy_inputs": med(call_np), "args": len(runner._leaves) + len(
-                jax.tree.leaves(runner.kv_caches)) + 2}
+            "call_same_inputs": med(call_same),
+            "args": len(jax.tree.leaves((runner.state, runner.kv_caches))) + 2}
 
 
 def _args_launch_us() -> dict:

@@ -37,10 +37,12 @@ def check_checkpoint(model, load_format: str, quantization: str | None, arch) ->
     from jaxllm.models.quant_config import resolve_quantization
     from jaxllm.models.quant_loader import QuantWeights, check_float_tensors
     if model is None or model.endswith(".gguf") or load_format == "gguf":
-        resolve_quantization(None, quantization, arch.num_layers, model or "the default model")
+        resolve_quantization(None, quantization, arch.num_layers, model or "the default model",
+                             dummy=load_format == "dummy")
         return
     source = os.path.join(model, "config.json")
-    quant = resolve_quantization(read_hf_config(model), quantization, arch.num_layers, source)
+    quant = resolve_quantization(read_hf_config(model), quantization, arch.num_layers, source,
+                                 dummy=load_format == "dummy")
     if load_format == "dummy":
         return
     reader = SafetensorsReader(model)

@@ -99,9 +99,11 @@ class ModelRunner:
                   executable_store.signature(self._leaves), repr(self.plan),
                   f"block_size={self.block_size} kv_dtype={kv_dtype} max_model_len="
                   f"{self.max_model_len} step donates (1,), out_shardings="
-                  f"{self._out_shardings()}, compiler options {options}"]
-        if self.hidden_layers is not None:      # (unchanged keys without EAGLE)
-            static.append(f"returns hidden_layers={self.hidden_layers}")
+                  f"{self._out_shardings()}"]
+        # (keys unchanged for float steps and without EAGLE)
+        static += [f"step compiler options {options}"] * (options is not None)
+        static += [f"returns hidden_layers={self.hidden_layers}"] * (
+            self.hidden_layers is not None)
         return executable_store.ExecutableStore(self.config.compilation_cache_dir, self.mesh,
                                                 static)
 
@@ -189,7 +191,7 @@ class ModelRunner:
         """The step's arguments for host `arrays`, packed into one transfer. The
         warm-up lowers with these very arguments, so its programs are the ones called.
         `kv_caches`: another pool than the runner's (the KV sizing's abstract one)."""
-        inputs = StepInputs.pack(arrays, decode_only, self._replicated)
+        inputs = self.pack_inputs(arrays, decode_only)
         kv_caches = self.kv_caches if kv_caches is None else kv_caches
         args = (self._leaves, kv_caches, self._token_buf, inputs)
         if "prompt_targets" in arrays:
@@ -204,8 +206,15 @@ class ModelRunner:
             logits, self.kv_caches, prompt, *hidden = self._step_prompt(*args)
             self.last_hidden = hidden[0] if hidden else None
             return logits, prompt
-        key = ("step", len(arrays["input_ids"]), len(arrays["seq_lens"]), decode_only)
-        args = self._step_args(arrays, decode_only)
+        return self.launch_packed(self.pack_inputs(arrays, decode_only))
+
+    def pack_inputs(self, arrays: dict, decode_only: bool) -> StepInputs:  # one transfer
+        return StepInputs.pack(arrays, decode_only, self._replicated)
+
+    def launch_packed(self, inputs: StepInputs):
+        """launch_step on inputs pack_inputs made (benchmarks time the two apart)."""
+        key = ("step", inputs.num_tokens, inputs.num_seqs, inputs.decode_only)
+        args = (self._leaves, self.kv_caches, self._token_buf, inputs)
         logits, self.kv_caches, *hidden = self._call(key, args, self._step, args)
         self.last_hidden = hidden[0] if hidden else None
         return logits
@@ -292,8 +301,7 @@ class ModelRunner:
         return handle.pending[0].shape[0]
 
     def upload_bitmask(self, bitmask: np.ndarray):
-        """A host bitmask i32[S, W] on the device (callable from any thread; without
-        device_put's Python layers, which would hold the GIL the engine thread needs)."""
+        """A host bitmask i32[S, W] on the device (callable from any thread)."""
         return put_replicated(bitmask, self._replicated)
 
     def get_output(self, handle: StepHandle):

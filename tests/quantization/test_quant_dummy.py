@@ -107,3 +107,9 @@ def test_dummy_4bit_on_a_float_config(tiny_model, kind):
     assert len(out[0].outputs[0].token_ids) == 4
     with pytest.raises(Exception, match="needs a checkpoint quantized that way"):
         load_model(folder, "float32", "auto", quantization=kind)
+    # The launcher's check (jaxllm serve, the CLI) agrees with the loader.
+    from jaxllm.models.errors import CheckpointError
+    from jaxllm.models.info import check_checkpoint
+    check_checkpoint(folder, "dummy", kind, loaded.arch)
+    with pytest.raises(CheckpointError, match="needs a checkpoint quantized that way"):
+        check_checkpoint(folder, "auto", kind, loaded.arch)

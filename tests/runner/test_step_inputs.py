@@ -51,3 +51,17 @@ def test_put_replicated_matches_device_put_without_it(monkeypatch):
     assert got.sharding == want.sharding and got.committed and got.dtype == np.int32
     np.testing.assert_array_equal(np.asarray(got), x)
     np.testing.assert_array_equal(np.asarray(jax.jit(lambda a: a * 2)(got)), 2 * x)
+
+
+def test_put_replicated_leaves_other_dtypes_to_device_put(monkeypatch):
+    """Only int32 takes the direct call; another dtype gets device_put's own handling
+    (dtype canonicalization), so the array is exactly device_put's."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from jaxllm.runner import step_inputs
+    sharding = NamedSharding(Mesh(np.array(jax.devices()[:1]), ("tp",)), P())
+    calls = []
+    real = jax.device_put
+    monkeypatch.setattr(jax, "device_put", lambda *a, **k: calls.append(a) or real(*a, **k))
+    got = step_inputs.put_replicated(np.arange(4, dtype=np.int64), sharding)
+    assert calls and got.dtype == real(np.arange(4, dtype=np.int64), sharding).dtype
