@@ -43,10 +43,6 @@ VARIANTS = {
     "default": "",
     "no_cmdbuf": "--xla_gpu_enable_command_buffer=",
     "cmdbuf_min1": "--xla_gpu_graph_min_graph_size=1",
-    # CUDA graphs recorded once and replayed without updating their nodes' addresses
-    # (XLA remaps the buffers' physical memory under fixed virtual addresses instead).
-    "never_update": "--xla_gpu_command_buffer_update_mode=NEVER_UPDATE",
-    "capture_never_update": "--xla_gpu_command_buffer_update_mode=CAPTURE_CMD_NEVER_UPDATE",
     # Programmatic dependent launch: a kernel may start while the one before drains.
     "pdl": "--xla_gpu_enable_pdl=true",
     "concurrent": "--xla_gpu_command_buffer_scheduling_mode=CONCURRENT",
@@ -165,6 +161,7 @@ def measure(model: str, quick: bool = False, quantization: str | None = None,
               max_num_seqs=8, max_num_batched_tokens=512, enforce_eager=True,
               quantization=quantization)
     runner = llm.llm_engine.runner
+    traces = _trace_dir(name, quantization)
     res = {"args_launch_us": _args_launch_us()}
     for label, batch in (("b1", 1), ("b8", 8)):
         arrays, decode_only = step_profile.step_arrays(runner, batch, 600 if batch == 1 else 100)
@@ -176,15 +173,13 @@ def measure(model: str, quick: bool = False, quantization: str | None = None,
         res[f"step_{label}_top"] = prof.get("top")
         res[f"step_{label}_kernels"] = prof.get("kernels_per_step")
         res[f"step_{label}_kernel_ms"] = prof.get("kernel_ms_per_step")
-        if label == "b1" and name == "default" and _trace_dir(name, quantization):
+        if label == "b1" and name == "default" and traces:
             # The optimized HLO of the decode step, to read its fusions offline.
             hlo = runner.lower_step(arrays, decode_only).compile().as_text()
-            with open(os.path.join(_trace_dir(name, quantization), "decode_b1.hlo.txt"),
-                      "w") as f:
+            with open(os.path.join(traces, "decode_b1.hlo.txt"), "w") as f:
                 f.write(hlo)
         res[f"step_{label}_host"] = step_profile.host_profile(runner, arrays, decode_only,
-                                                              keep=_trace_dir(name, quantization),
-                                                              tag=label)
+                                                              keep=traces, tag=label)
     if not quick:
         res.update(_sampler_figures(runner, vocab))
     return res | _latency(llm, vocab, quick)
@@ -253,7 +248,8 @@ def _latency(llm, vocab, quick: bool) -> dict:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="configs/models/llama-3.1-8b")
-    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--variants", default="default,no_cmdbuf,cmdbuf_min1",
+                    help=f"of {', '.join(VARIANTS)}")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per variant")
     ap.add_argument("--quantization", default=None)

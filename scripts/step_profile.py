@@ -77,12 +77,24 @@ def profile(runner, arrays, decode_only, iters=5, top=12) -> dict:
         for _ in range(iters):
             out = runner.launch_step(arrays, decode_only)
         jax.block_until_ready(out)
-    files = glob.glob(os.path.join(folder, "plugins", "profile", "*", "*.trace.json.gz"))
-    if not files:
+    path = _trace_file(folder)
+    if path is None:
         return {"error": f"no trace written under {folder}"}
-    with gzip.open(files[0]) as f:
+    with gzip.open(path) as f:
         events = json.load(f)["traceEvents"]
     return summarize(events, iters, top)
+
+
+def _trace_file(folder: str) -> str | None:
+    """The trace jax.profiler.trace(folder) wrote; None when it wrote none."""
+    files = glob.glob(os.path.join(folder, "plugins", "profile", "*", "*.trace.json.gz"))
+    return files[0] if files else None
+
+
+def _gpu_pids(events) -> set:
+    """The trace's process ids of GPUs (the others are the host's)."""
+    return {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+            and "GPU" in str(e.get("args", {}).get("name", ""))}
 
 
 def trace_synced_steps(runner, arrays, decode_only, iters) -> str | None:
@@ -94,8 +106,7 @@ def trace_synced_steps(runner, arrays, decode_only, iters) -> str | None:
     with jax.profiler.trace(folder):
         for _ in range(iters):
             jax.block_until_ready(runner.launch_step(arrays, decode_only))
-    files = glob.glob(os.path.join(folder, "plugins", "profile", "*", "*.trace.json.gz"))
-    return files[0] if files else None
+    return _trace_file(folder)
 
 
 def host_profile(runner, arrays, decode_only, iters=10, top=40, keep=None,
@@ -112,8 +123,7 @@ def host_profile(runner, arrays, decode_only, iters=10, top=40, keep=None,
         shutil.copy(path, os.path.join(keep, f"host_trace_{tag}.json.gz"))
     with gzip.open(path) as f:
         events = json.load(f)["traceEvents"]
-    gpu_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
-                and "GPU" in str(e.get("args", {}).get("name", ""))}
+    gpu_pids = _gpu_pids(events)
     by_name = collections.defaultdict(lambda: [0.0, 0])
     for e in events:
         if e.get("ph") == "X" and e.get("pid") not in gpu_pids and "dur" in e:
@@ -131,16 +141,15 @@ def profile_engine(llm, prompts, params, steps: int, top=12) -> dict:
     folder = tempfile.mkdtemp(prefix="jaxllm-trace-")
     with jax.profiler.trace(folder):
         llm.generate(prompts, params, use_tqdm=False)
-    files = glob.glob(os.path.join(folder, "plugins", "profile", "*", "*.trace.json.gz"))
-    if not files:
+    path = _trace_file(folder)
+    if path is None:
         return {"error": f"no trace written under {folder}"}
-    with gzip.open(files[0]) as f:
+    with gzip.open(path) as f:
         return summarize(json.load(f)["traceEvents"], steps, top)
 
 
 def summarize(events, iters, top=12) -> dict:
-    gpu_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
-                and "GPU" in str(e.get("args", {}).get("name", ""))}
+    gpu_pids = _gpu_pids(events)
     threads = {(e["pid"], e.get("tid")): str(e.get("args", {}).get("name", ""))
                for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}
     kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu_pids
