@@ -68,14 +68,17 @@ def ref_quant_matmul_int4(x, w, scale, zero, *, group, out_dtype=None):
     """x [M, K] (bf16 / f16), w uint8 [N, K/2] holding two uint4 a byte (column 2j in
     the low nibble, 2j + 1 in the high), scale and zero f32 [N, cdiv(K, G)] ->
     [M, N] ``out_dtype`` (default x's dtype). The weight dequantized as
-    ((q - zero) * scale) in f32, cast to x's dtype, the dot accumulated in f32
-    (jaxllm's ``grouped_dequant_matmul`` without act-order)."""
+    ((q - zero) * scale) in f32 and the dot of x's values with it in f32: what the
+    kernel computes, up to the order of its f32 sums. (jaxllm's jnp layer path,
+    ``grouped_dequant_matmul``, rounds the dequantized weight to x's dtype first.)"""
     out_dtype = default_out_dtype(x.dtype, None, out_dtype)
     n, k = w.shape[0], x.shape[1]
     q = jnp.stack([w & 15, w >> 4], axis=-1).reshape(n, k)
     g = jnp.arange(k) // group
-    wd = ((q.astype(jnp.float32) - zero[:, g]) * scale[:, g]).astype(x.dtype)
-    return jnp.einsum("mk,nk->mn", x, wd, preferred_element_type=jnp.float32).astype(out_dtype)
+    wd = (q.astype(jnp.float32) - zero[:, g]) * scale[:, g]
+    y = jnp.einsum("mk,nk->mn", x.astype(jnp.float32), wd,
+                   precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    return y.astype(out_dtype)
 
 
 def default_out_dtype(x_dtype, x_scale, out_dtype=None):
@@ -175,32 +178,47 @@ def quant_matmul(x, w, x_scale, w_scale, *, out_dtype=None, block_n=None, block_
         aux.insert(0, jnp.broadcast_to(jnp.asarray(x_scale, jnp.float32), (m,)))
     bk, ragged = st["bk"], k % st["bk"] != 0
 
-    def tile(aux_refs, w_ref, rows, i):
+    def step(aux_refs, x_ref, w_ref, rows, xrows, i, acc):
         cols = i * bk + jnp.arange(bk)
-        cols = jnp.minimum(cols, k - 1) if ragged else cols
-        return w_ref[rows[:, None], cols[None, :]].astype(dot_dtype)
+        wt = w_ref[rows[:, None], (jnp.minimum(cols, k - 1) if ragged else cols)[None, :]]
+        xt = _load_x(x_ref, xrows, cols, k, ragged)
+        return acc + plgpu.dot(wt.astype(dot_dtype), xt.astype(dot_dtype), trans_b=True)
 
     def epilogue(aux_refs, acc, rows, xrows):   # x's scale first, as quantized_matmul
         if x_scale is not None:
             acc = acc * aux_refs[0][xrows][None, :]
         return acc * aux_refs[-1][rows][:, None]
 
-    return _launch(tile, epilogue, x, w, aux, n=n, st=st, out_dtype=out_dtype,
+    return _launch(step, epilogue, x, w, aux, n=n, st=st, out_dtype=out_dtype,
                    dot_dtype=dot_dtype, name="quant_matmul", interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("group",) + _SETTINGS)
+@functools.partial(jax.jit, static_argnames=("group", "scales", "split_x") + _SETTINGS)
 def quant_matmul_int4(x, w, scale, zero, *, group, out_dtype=None, block_n=None,
                       block_k=None, k_splits=None, num_warps=None, num_stages=None,
-                      dot_dtype=None, interpret=False):
+                      dot_dtype=None, scales="output", split_x=False, interpret=False):
     """Same contract as ``ref_quant_matmul_int4`` (G a power of two); the rest are kernel
-    settings (default_settings). The dot runs in x's dtype unless ``dot_dtype``."""
+    settings (default_settings). The dot runs in x's dtype unless ``dot_dtype``.
+
+    A step's columns are taken a group at a time (``chunk`` = min(BK, G) columns,
+    within one group). The two nibbles of a byte are columns 2j and 2j + 1, so instead
+    of interleaving the weight's halves (a register shuffle per value) the kernel
+    multiplies them with x's even and odd columns apart: two dots per chunk.
+    ``split_x``: x's columns are reordered by XLA first (each chunk's even columns,
+    then its odd ones), so the kernel's x loads are contiguous rather than strided.
+    ``scales``: "output" runs the dots on the raw nibbles (exact in a 16-bit float)
+    and applies scale and zero point to their [BN, Mp] product, as
+    sum_k x_k (q_k - z) s = s (sum_k x_k q_k - z sum_k x_k); "weight" dequantizes
+    the chunk in the dot's dtype ((q - z) * s, scale rounded to it) and accumulates
+    in the dot itself."""
     m, k = x.shape
     n = w.shape[0]
     if jnp.dtype(w.dtype) != jnp.uint8 or k % 2:
         raise ValueError(f"weight {w.dtype} {w.shape}: uint8 [N, K/2] expected, K even")
     if group < 2 or group & (group - 1):
         raise ValueError(f"group {group}: a power of two expected")
+    if scales not in ("output", "weight"):
+        raise ValueError(f"scales {scales!r}: 'output' or 'weight'")
     _check(m, k, w.shape, (n, k // 2))
     groups = common.cdiv(k, group)
     if scale.shape != (n, groups) or zero.shape != (n, groups):
@@ -210,40 +228,82 @@ def quant_matmul_int4(x, w, scale, zero, *, group, out_dtype=None, block_n=None,
     st = default_settings(m, n, k, 4, x.dtype.itemsize, group=group, block_n=block_n,
                           block_k=block_k, k_splits=k_splits, num_warps=num_warps,
                           num_stages=num_stages)
-    bn, bk = st["bn"], st["bk"]
-    half, per_step, ragged = bk // 2, max(1, bk // group), k % bk != 0
+    bk = st["bk"]
+    chunk = min(bk, group)
+    half, last, ragged = chunk // 2, k // 2 - 1, k % bk != 0
+    split_x = split_x and k % chunk == 0
+    if split_x:
+        x = x.reshape(m, k // chunk, half, 2).swapaxes(2, 3).reshape(m, k)
 
-    def tile(aux_refs, w_ref, rows, i):
+    def step(aux_refs, x_ref, w_ref, rows, xrows, i, acc):
         s_ref, z_ref = aux_refs
-        pcols = i * half + jnp.arange(half)
-        gcols = lax.div(i * bk, group) + jnp.arange(per_step)
-        if ragged:
-            pcols, gcols = jnp.minimum(pcols, k // 2 - 1), jnp.minimum(gcols, groups - 1)
-        p = w_ref[rows[:, None], pcols[None, :]]                      # u8 [BN, BK/2]
-
-        def spread(ref):   # [BN, groups of the step] -> one per packed column
-            g = ref[rows[:, None], gcols[None, :]]
-            g = jnp.broadcast_to(g[:, :, None], (bn, per_step, half // per_step))
-            return g.reshape(bn, half)
-        s, z = spread(s_ref), spread(z_ref)
-        lo = ((_nibble_f32(p & 15) - z) * s).astype(dot_dtype)
-        hi = ((_nibble_f32(p >> 4) - z) * s).astype(dot_dtype)
-        return jnp.stack([lo, hi], axis=-1).reshape(bn, bk)            # columns in order
+        for c in range(bk // chunk):
+            first = i * bk + c * chunk
+            pcols = lax.div(first, 2) + jnp.arange(half)
+            pin = jnp.minimum(pcols, last) if ragged else pcols
+            p = w_ref[rows[:, None], pin[None, :]]                    # u8 [BN, chunk/2]
+            if split_x:
+                xe = _load_x(x_ref, xrows, first + jnp.arange(half), k, ragged)
+                xo = _load_x(x_ref, xrows, first + half + jnp.arange(half), k, ragged)
+            else:
+                xe = _load_x(x_ref, xrows, 2 * pcols, k, ragged)          # [Mp, chunk/2]
+                xo = _load_x(x_ref, xrows, 2 * pcols + 1, k, ragged)
+            xe, xo = xe.astype(dot_dtype), xo.astype(dot_dtype)
+            lo, hi, offset = _nibbles(p, dot_dtype)
+            g = jnp.minimum(lax.div(first, group), groups - 1)
+            s, z = s_ref[rows, g], z_ref[rows, g] + offset
+            if scales == "weight":
+                sd, zd = s.astype(dot_dtype)[:, None], z.astype(dot_dtype)[:, None]
+                acc = acc + plgpu.dot((lo - zd) * sd, xe, trans_b=True)
+                acc = acc + plgpu.dot((hi - zd) * sd, xo, trans_b=True)
+            else:
+                d = plgpu.dot(lo, xe, trans_b=True) + plgpu.dot(hi, xo, trans_b=True)
+                xsum = jnp.sum(xe.astype(jnp.float32) + xo.astype(jnp.float32), axis=1)
+                acc = acc + s[:, None] * (d - z[:, None] * xsum[None, :])
+        return acc
 
     def epilogue(aux_refs, acc, rows, xrows):
         return acc
 
     aux = [scale.astype(jnp.float32), zero.astype(jnp.float32)]
-    return _launch(tile, epilogue, x, w, aux, n=n, st=st, out_dtype=out_dtype,
+    return _launch(step, epilogue, x, w, aux, n=n, st=st, out_dtype=out_dtype,
                    dot_dtype=dot_dtype, name="quant_matmul_int4", interpret=interpret)
 
 
+# 16.0 in bf16 and f16, whose last mantissa bits count in units of one: the value with
+# a nibble q in them is 16 + q, exactly.
+_SIXTEEN = {jnp.dtype(jnp.bfloat16): (0x4180, 3), jnp.dtype(jnp.float16): (0x4C00, 6)}
+
+
+def _nibbles(p, dtype):
+    """The low and high nibbles of u8 ``p`` as ``dtype`` values, and the offset they
+    carry (added to the zero point). In bf16 / f16 they are 16 + q, built by bit
+    operations: an int-to-float conversion runs at 16 per clock per SM on the
+    conversion pipe, and a 4-bit stream at 4 TB/s asks ~30 values per clock per SM."""
+    if jnp.dtype(dtype) in _SIXTEEN:
+        base, shift = _SIXTEEN[jnp.dtype(dtype)]
+        p16 = p.astype(jnp.uint16)
+        lo = ((p16 & 15) << shift) | base
+        hi = (((p16 >> 4) & 15) << shift) | base
+        as_float = functools.partial(lax.bitcast_convert_type, new_dtype=dtype)
+        return as_float(lo.astype(jnp.uint16)), as_float(hi.astype(jnp.uint16)), 16.0
+    return _nibble_f32(p & 15).astype(dtype), _nibble_f32(p >> 4).astype(dtype), 0.0
+
+
 def _nibble_f32(q):
-    """uint values < 16 as f32 without an int-to-float conversion (those run at 16 per
-    clock per SM on the conversion pipe, a 4-bit stream at 4 TB/s wants ~30): the
-    bits of 2^23 with q in the low mantissa bits are 2^23 + q, exactly."""
+    """uint values < 16 as f32 without an int-to-float conversion: the bits of 2^23
+    with q in the low mantissa bits are 2^23 + q, exactly."""
     bits = q.astype(jnp.uint32) | jnp.uint32(_MAGIC)
     return lax.bitcast_convert_type(bits, jnp.float32) - jnp.float32(1 << 23)
+
+
+def _load_x(x_ref, xrows, cols, k, ragged):
+    """x's columns ``cols`` of rows ``xrows`` as [Mp, len(cols)]; with ``ragged``
+    columns past K read as 0, so a clamped (repeated) weight column there adds nothing."""
+    if not ragged:
+        return x_ref[xrows[:, None], cols[None, :]]
+    return plgpu.load(x_ref.at[xrows[:, None], jnp.minimum(cols, k - 1)[None, :]],
+                      mask=(cols < k)[None, :], other=0)
 
 
 def _check(m, k, w_shape, want):
@@ -253,12 +313,15 @@ def _check(m, k, w_shape, want):
         raise ValueError(f"weight {tuple(w_shape)} for x [{m}, {k}]: {want} expected")
 
 
-def _launch(tile, epilogue, x, w, aux, *, n, st, out_dtype, dot_dtype, name, interpret):
+def _launch(step, epilogue, x, w, aux, *, n, st, out_dtype, dot_dtype, name, interpret):
+    """Grid (N blocks, k-splits). ``step(aux_refs, x_ref, w_ref, rows, xrows, i, acc)``
+    adds step i's products to acc [BN, Mp]; ``epilogue(aux_refs, acc, rows, xrows)``
+    scales the sum."""
     m, k = x.shape
     ns, bn, bk = st["k_splits"], st["bn"], st["bk"]
     if bn & (bn - 1) or bk & (bk - 1) or bn < 16 or bk < 32:
         raise ValueError(f"block_n {bn} / block_k {bk}: powers of two, >= 16 / 32")
-    kernel = functools.partial(_kernel, tile=tile, epilogue=epilogue, m=m, n=n, k=k,
+    kernel = functools.partial(_kernel, step=step, epilogue=epilogue, m=m, n=n, k=k,
                                mp=st["mp"], bn=bn, bk=bk, num_splits=ns, dot_dtype=dot_dtype)
     shape = (ns, m, n) if ns > 1 else (m, n)
     full = lambda s: pl.BlockSpec(s, lambda j, sp: (0,) * len(s))  # noqa: E731
@@ -273,7 +336,7 @@ def _launch(tile, epilogue, x, w, aux, *, n, st, out_dtype, dot_dtype, name, int
     return out if ns == 1 else out.sum(axis=0).astype(out_dtype)
 
 
-def _kernel(x_ref, w_ref, *refs, tile, epilogue, m, n, k, mp, bn, bk, num_splits,
+def _kernel(x_ref, w_ref, *refs, step, epilogue, m, n, k, mp, bn, bk, num_splits,
             dot_dtype):
     *aux, o_ref = refs
     j, split = pl.program_id(0), pl.program_id(1)
@@ -288,18 +351,10 @@ def _kernel(x_ref, w_ref, *refs, tile, epilogue, m, n, k, mp, bn, bk, num_splits
         start = jnp.minimum(split * per, steps)
         end = jnp.minimum(start + per, steps)
 
-    def body(i, acc):
-        cols = i * bk + jnp.arange(bk)
-        if k % bk:   # x's columns past K read as 0: the weight's clamped ones add nothing
-            xt = plgpu.load(x_ref.at[xrows[:, None], jnp.minimum(cols, k - 1)[None, :]],
-                            mask=(cols < k)[None, :], other=0)
-        else:
-            xt = x_ref[xrows[:, None], cols[None, :]]
-        wt = tile(aux, w_ref, rows_in, i)
-        return acc + plgpu.dot(wt, xt.astype(dot_dtype), trans_b=True)
-
     acc_dtype = jnp.int32 if dot_dtype == jnp.int8 else jnp.float32
-    acc = lax.fori_loop(start, end, body, jnp.zeros((bn, mp), acc_dtype))
+    acc = lax.fori_loop(start, end,
+                        lambda i, acc: step(aux, x_ref, w_ref, rows_in, xrows, i, acc),
+                        jnp.zeros((bn, mp), acc_dtype))
     y = epilogue(aux, acc.astype(jnp.float32), rows_in, xrows)
 
     # Masked lanes point out of bounds (common.store_rows).

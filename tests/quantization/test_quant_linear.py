@@ -10,9 +10,11 @@ import numpy as np
 import pytest
 from cuda_lowering import lower_for_cuda
 
-from jaxllm.layers.quantization.linear import (quantize_per_token, quantize_per_token_asym,
+from jaxllm.layers.quantization import linear
+from jaxllm.layers.quantization.linear import (grouped_dequant_matmul, int4_kernel_matmul,
+                                               quantize_per_token, quantize_per_token_asym,
                                                quantized_matmul)
-from jaxllm.layers.quantization.schemes import ActScheme
+from jaxllm.layers.quantization.schemes import ActScheme, LinearScheme
 
 
 def _np_quant(x, kind):
@@ -87,3 +89,44 @@ def test_gpu_path_lowers_to_a_quantized_dot(kind, operand, acc):
     assert "contracting_dims = [1] x [1]" in dots[0]
     assert f"tensor<64x4096x{operand}>, tensor<8192x4096x{operand}>) -> tensor<64x8192x{acc}>" \
         in dots[0], dots[0]
+
+
+@pytest.mark.parametrize("in_shape,out_shape", [((256,), (4, 32)), ((4, 64), (48,))],
+                         ids=["q_proj", "o_proj"])
+def test_int4_kernel_path_matches_xla_dequant(in_shape, out_shape):
+    """QuantLinear's fused-kernel path (interpret mode) flattens a projection's dims
+    the way the XLA path reads them: same numbers within the XLA path's bf16 rounding
+    of each dequantized weight."""
+    rng = np.random.default_rng(3)
+    k, group = int(np.prod(in_shape)), 64
+    packed = jnp.asarray(rng.integers(0, 256, out_shape + in_shape[:-1] + (in_shape[-1] // 2,)),
+                         jnp.uint8)
+    scale = jnp.asarray(rng.uniform(0.005, 0.02, out_shape + (k // group,)), jnp.float32)
+    zero = jnp.asarray(rng.integers(0, 16, out_shape + (k // group,)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((6,) + in_shape), jnp.bfloat16)
+    scheme = LinearScheme("uint4", group=group)
+    nk = len(in_shape)
+    got = int4_kernel_matmul(x, packed, scale, zero, scheme, nk, interpret=True)
+    want = grouped_dequant_matmul(x, packed, scale, zero, None, scheme, nk)
+    assert got.shape == want.shape == (6,) + out_shape
+    err = np.abs(np.asarray(got) - np.asarray(want)).max() / np.abs(np.asarray(want)).max()
+    assert err < 4e-3
+
+
+def test_int4_kernel_only_where_it_applies(monkeypatch):
+    """The kernel runs for uint4 in column order with a power-of-two group, at decode
+    sizes, on one GPU; the XLA path everywhere else."""
+    monkeypatch.setattr(linear, "native_dot", lambda: True)
+    monkeypatch.setattr(jax, "device_count", lambda: 1)
+    rows = linear.INT4_KERNEL_ROWS
+    assert linear.use_int4_kernel(LinearScheme("uint4", group=128), rows)
+    assert linear.use_int4_kernel(LinearScheme("uint4", group=1 << 30), 1)   # per channel
+    assert not linear.use_int4_kernel(LinearScheme("uint4", group=128), rows + 1)
+    assert not linear.use_int4_kernel(LinearScheme("uint4", group=128, g_idx=True), 1)
+    assert not linear.use_int4_kernel(LinearScheme("uint4", group=96), 1)
+    assert not linear.use_int4_kernel(LinearScheme("uint8", group=128), 1)
+    monkeypatch.setattr(jax, "device_count", lambda: 2)
+    assert not linear.use_int4_kernel(LinearScheme("uint4", group=128), 1)
+    monkeypatch.setattr(jax, "device_count", lambda: 1)
+    monkeypatch.setattr(linear, "native_dot", lambda: False)
+    assert not linear.use_int4_kernel(LinearScheme("uint4", group=128), 1)

@@ -131,6 +131,38 @@ def grouped_dequant_matmul(x, wq, scale, zero, g_idx, scheme: LinearScheme, nk: 
     return jnp.einsum("tk,...k->t...", xf, w, preferred_element_type=jnp.float32)
 
 
+# Tokens up to which a uint4 layer runs the fused Pallas kernel on a GPU (decode
+# buckets; pallas_kernels/quant_matmul.py); larger batches dequantize through XLA.
+INT4_KERNEL_ROWS = 32
+# The kernel's settings, from the H200 sweep in docs/benchmarks.md.
+INT4_KERNEL_SETTINGS: dict = {}
+
+
+def use_int4_kernel(scheme: LinearScheme, tokens: int) -> bool:
+    """The fused kernel takes 4-bit weights in column order (no act-order map) with a
+    power-of-two group, on one GPU (under tensor parallelism the weight is sharded and
+    XLA's path runs)."""
+    g = scheme.group or 0
+    return (scheme.weight == "uint4" and not scheme.g_idx and g & (g - 1) == 0
+            and tokens <= INT4_KERNEL_ROWS and native_dot() and jax.device_count() == 1)
+
+
+def int4_kernel_matmul(x, wq, scale, zero, scheme: LinearScheme, nk: int,
+                       interpret: bool = False):
+    """grouped_dequant_matmul's contract through the fused kernel: the projection's
+    dims flattened to [T, K] x [N, K/2] (two nibbles a byte along the last K dim,
+    so flattening keeps each pair) and the result reshaped back. f32 [T, N...]."""
+    from pallas_kernels.quant_matmul import quant_matmul_int4   # Triton lowering, lazily
+    t = x.shape[0]
+    xf = x.reshape(t, -1)
+    out = wq.shape[:wq.ndim - nk]
+    n = math.prod(out)
+    y = quant_matmul_int4(xf, wq.reshape(n, -1), scale.reshape(n, -1),
+                          zero.reshape(n, -1), group=scheme.group, out_dtype=jnp.float32,
+                          interpret=interpret, **INT4_KERNEL_SETTINGS)
+    return y.reshape(t, *out)
+
+
 class QuantLinear(nnx.Module):
     """y[T, N...] = x[T, K...] @ W, W stored quantized as weight [N..., K...]."""
 
@@ -164,7 +196,9 @@ class QuantLinear(nnx.Module):
     def __call__(self, x):
         s = self.scheme
         w, ws = self.weight[...], self.weight_scale[...]
-        if s.group is not None:
+        if s.group is not None and use_int4_kernel(s, x.shape[0]):
+            y = int4_kernel_matmul(x, w, ws, self.weight_zero_point[...], s, self.nk)
+        elif s.group is not None:
             y = grouped_dequant_matmul(x, w, ws, self.weight_zero_point[...],
                                        self.g_idx[...] if s.g_idx else None, s, self.nk)
         elif s.block is not None:
