@@ -128,16 +128,21 @@ W4_CASES = [
 ]
 
 
+@pytest.mark.parametrize("split_x", [True, False])
+@pytest.mark.parametrize("scales", ["output", "weight"])
 @pytest.mark.parametrize("case", W4_CASES, ids=lambda c: f"m{c[0]}_n{c[1]}_k{c[2]}_g{c[3]}")
-def test_w4a16_matches_layer_math(case):
+def test_w4a16_matches_layer_math(case, scales, split_x):
+    """scales="output" sums exactly what the f32 reference does; "weight" rounds each
+    dequantized value (and the scale) to bf16 first."""
     m, n, k, group, settings = case
     packed, scale, zero = _w4(m + k, n, k, group)
     x = _x(n, m, k, BF16)
     got = run(functools.partial(quant_matmul_int4, group=group, out_dtype=F32,
-                                interpret=True, **{**SMALL, **settings}),
+                                interpret=True, scales=scales, split_x=split_x,
+                                **{**SMALL, **settings}),
               x, packed, scale, zero)
     want = ref_quant_matmul_int4(x, packed, scale, zero, group=group, out_dtype=F32)
-    _close(got, want, 1e-6)
+    _close(got, want, 1e-6 if scales == "output" else 8e-3)
     # The jnp layer path rounds each dequantized weight to bf16 (2^-9 relative).
     layer = grouped_dequant_matmul(x, packed, scale, zero, None,
                                    LinearScheme("uint4", group=group), 1)
@@ -213,6 +218,15 @@ def test_default_k_splits_at_8b_shapes():
     assert splits("gate_up", 8) == 1
     assert splits("o", 1) == splits("o", 8) == 4 and splits("o", 64) == 1
     assert splits("down", 8) == 4 and splits("qkv", 8) == 2
+
+
+def test_default_int4_settings_at_8b_shapes():
+    """4-bit weights at M = 16 take the splits the H200 sweep preferred (4 for qkv, o
+    and down, none for gate/up), fewer as M grows; the dot's epilogue by M."""
+    def splits(proj, m):
+        return default_settings(m, *SHAPES_8B[proj], 4, 2, group=128)["k_splits"]
+    assert [splits(p, 16) for p in ("qkv", "o", "gate_up", "down")] == [4, 4, 1, 4]
+    assert splits("o", 32) == 2 and splits("o", 64) == 1 and splits("down", 64) == 2
 
 
 @pytest.mark.parametrize("m", [1, 64])
