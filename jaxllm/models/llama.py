@@ -9,8 +9,6 @@ them to mesh axes. K and V projections are one [E, 2, K, D] weight and gate/up o
 """
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -42,13 +40,7 @@ def _linear(rngs, dtype, quant: QuantConfig | None, path: str, in_shape, out_sha
 
 
 def _proj(w, x, eq: str):
-    """x times a projection's weight: the einsum `eq`, or the QuantLinear's matmul.
-    x may be a Normed input, which a QuantLinear with per-token input scales takes
-    before normalization."""
-    if isinstance(x, Normed):
-        if isinstance(w, QuantLinear) and w.takes_norm:
-            return w.from_norm(x.x, x.norm.weight[...], x.norm.eps)
-        x = x.value
+    """x times a projection's weight: the einsum `eq`, or the QuantLinear's matmul."""
     if isinstance(w, QuantLinear):
         return w(x)
     return jnp.einsum(eq, x, w[...])
@@ -56,18 +48,6 @@ def _proj(w, x, eq: str):
 
 def _ones(shape, dtype, axes):
     return nnx.Param(jnp.ones(shape, dtype), out_sharding=axes)
-
-
-class Normed:
-    """RMSNorm(x), computed when a float projection asks for it (once, however many
-    ask); quantized projections fold the norm into their input's quantization."""
-
-    def __init__(self, norm, x):
-        self.norm, self.x = norm, x
-
-    @functools.cached_property
-    def value(self):
-        return self.norm(self.x)
 
 
 class RMSNorm(nnx.Module):
@@ -153,10 +133,10 @@ class DecoderLayer(nnx.Module):
     def __call__(self, x, positions, k_cache, v_cache, md, spec):
         with jax.named_scope("attn"):
             h, k_cache, v_cache = self.self_attn(
-                Normed(self.input_layernorm, x), positions, k_cache, v_cache, md, spec)
+                self.input_layernorm(x), positions, k_cache, v_cache, md, spec)
         x = x + h
         with jax.named_scope("mlp"):
-            x = x + self.mlp(Normed(self.post_attention_layernorm, x))
+            x = x + self.mlp(self.post_attention_layernorm(x))
         return x, k_cache, v_cache
 
 

@@ -60,34 +60,14 @@ def quantize_per_token_asym(x, nk: int):
     rows) stay exactly zero."""
     axes = tuple(range(x.ndim - nk, x.ndim))
     xf = x.astype(jnp.float32)
-    return _asym(xf, jnp.min(xf, axis=axes), jnp.max(xf, axis=axes), nk)
-
-
-def _asym(xf, lo, hi, nk: int):
-    lo, hi = jnp.minimum(lo, 0.0), jnp.maximum(hi, 0.0)
+    lo = jnp.minimum(jnp.min(xf, axis=axes), 0.0)
+    hi = jnp.maximum(jnp.max(xf, axis=axes), 0.0)
     scale = jnp.maximum((hi - lo) / (2 * INT8_MAX + 1), _MIN_SCALE)
     zero = jnp.round(-INT8_MAX - 1 - lo / scale)
     shape = scale.shape + (1,) * nk
     xq = jnp.clip(jnp.round(xf / scale.reshape(shape)) + zero.reshape(shape),
                   -INT8_MAX - 1, INT8_MAX)
     return xq.astype(jnp.int8), scale, zero
-
-
-def quantize_normed_per_token(x, norm_weight, eps: float, act: ActScheme):
-    """RMSNorm(x) * norm_weight ([T, E]) quantized per token as quantize_per_token /
-    quantize_per_token_asym do, without the normalized activation in between: the
-    norm's 1 / rms > 0 scales a token's values and their range alike, so the range
-    comes from x * norm_weight in the same pass over x as the mean square (sibling
-    reductions, one fusion) and the quantizing fusion reads x itself. Two fusions
-    where norm, range and quantization took three. -> (xq, scale[, zero])."""
-    xf = x.astype(jnp.float32)
-    inv = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1) + eps)
-    xw = xf * norm_weight.astype(jnp.float32)
-    if act.symmetric:
-        scale = jnp.maximum(jnp.max(jnp.abs(xw), axis=-1) * inv / _qmax(act.dtype),
-                            _MIN_SCALE)
-        return quantize(xw * inv[:, None], act.dtype, scale[:, None]), scale
-    return _asym(xw * inv[:, None], jnp.min(xw, axis=-1) * inv, jnp.max(xw, axis=-1) * inv, 1)
 
 
 def quantized_matmul(xq, x_scale, wq, w_scale, nk: int, native: bool, x_zero=None,
@@ -212,25 +192,6 @@ class QuantLinear(nnx.Module):
             self.input_scale = nnx.Param(jnp.ones((), jnp.float32), out_sharding=())
         if scheme.act is not None and not scheme.act.symmetric:
             self.azp_adj = nnx.Param(jnp.zeros(out_shape, jnp.float32), out_sharding=out_axes)
-
-    @property
-    def takes_norm(self) -> bool:
-        """Whether from_norm applies: per-token dynamic input scales on a [T, E] input."""
-        s = self.scheme
-        return (s.group is None and s.block is None and s.act is not None
-                and s.act.dynamic and s.act.group_size is None and self.nk == 1)
-
-    def from_norm(self, x, norm_weight, eps: float):
-        """self(RMSNorm(x) * norm_weight), the norm folded into the input's quantization
-        (quantize_normed_per_token)."""
-        s, w, ws = self.scheme, self.weight[...], self.weight_scale[...]
-        if s.act.symmetric:
-            xq, xs = quantize_normed_per_token(x, norm_weight, eps, s.act)
-            y = quantized_matmul(xq, xs, w, ws, 1, native_dot())
-        else:
-            xq, xs, xz = quantize_normed_per_token(x, norm_weight, eps, s.act)
-            y = quantized_matmul(xq, xs, w, ws, 1, native_dot(), xz, self.azp_adj[...])
-        return y.astype(x.dtype)
 
     def __call__(self, x):
         s = self.scheme
