@@ -65,11 +65,12 @@ def ref_quant_matmul(x, w, x_scale, w_scale, *, out_dtype=None):
 
 
 def ref_quant_matmul_int4(x, w, scale, zero, *, group, out_dtype=None):
-    """x [M, K] (bf16 / f16), w uint8 [N, K/2] holding two uint4 a byte (column 2j in
+    """x [M, K] (a float dtype), w uint8 [N, K/2] holding two uint4 a byte (column 2j in
     the low nibble, 2j + 1 in the high), scale and zero f32 [N, cdiv(K, G)] ->
     [M, N] ``out_dtype`` (default x's dtype). The weight dequantized as
     ((q - zero) * scale) in f32 and the dot of x's values with it in f32: what the
-    kernel computes, up to the order of its f32 sums. (jaxllm's jnp layer path,
+    kernel computes with scales="output", up to the order of its f32 sums (and
+    TF32 dots for an f32 x on a GPU). (jaxllm's jnp layer path,
     ``grouped_dequant_matmul``, rounds the dequantized weight to x's dtype first.)"""
     out_dtype = default_out_dtype(x.dtype, None, out_dtype)
     n, k = w.shape[0], x.shape[1]
@@ -120,9 +121,8 @@ def default_k_splits(m, n_blocks, k, bk, w_bits) -> int:
 
     4-bit weights: a program's pace is set by converting its values, not by their
     bytes, so more programs pay: ``want`` rounds up, the partials are held to 1/8
-    of the weight's values, and at most 4 splits (the H200 sweep at M = 16: 4
-    splits took o from 24.2 to 17.5 us and qkv from 28.6 to 22.7 against 2; more
-    were not measured)."""
+    of the weight's values, and at most 4 splits (measured faster than 2 for the
+    8B model's o and qkv at M = 16; more than 4 were not measured)."""
     if n_blocks >= common.num_sms():
         return 1
     want = common.cdiv(2 * common.num_sms(), n_blocks)
@@ -144,8 +144,9 @@ def default_settings(m, n, k, w_bits, x_itemsize, group=None, block_n=None, bloc
     224), else 64 (4 warps; a wgmma covers 64 rows), so qkv's 6144 and o/down's 4096
     give 96 and 64 programs before the k-splits. 4 stages keep ~48-64 KB of weight in
     flight per SM, which 4 TB/s over 132 SMs at ~1.5 us of latency asks for; fewer
-    where shared memory (common.SMEM_BYTES) does not hold them. None of this is
-    measured yet: the keywords are there for a GPU sweep."""
+    where shared memory (common.SMEM_BYTES) does not hold them. For 4-bit weights
+    an H200 sweep at M = 16 found BK 128-512, BN 64-128 and 3-6 stages within ~15%
+    of these (docs/benchmarks.md); the 8-bit settings are unswept."""
     mp = max(16, common.next_pow2(m))
     bk = block_k or min(256, max(32, common.next_pow2(k)))
     bn = block_n or (128 if common.cdiv(n, 128) >= common.num_sms() else 64)
@@ -215,20 +216,22 @@ def quant_matmul_int4(x, w, scale, zero, *, group, out_dtype=None, block_n=None,
     multiplies them with x's even and odd columns apart: two dots per chunk.
     ``split_x``: x's columns are reordered by XLA first (each chunk's even columns,
     then its odd ones), so the kernel's x loads are contiguous rather than strided
-    (H200, M = 16: gate/up 84 -> 72.5 us, o 25.4 -> 15.4).
+    (faster on every 8B projection at M = 16 on the H200).
     ``scales``: "output" runs the dots on the raw nibbles (exact in a 16-bit float)
     and applies scale and zero point to their [BN, Mp] product, as
     sum_k x_k (q_k - z) s = s (sum_k x_k q_k - z sum_k x_k); "weight" dequantizes
     the chunk in the dot's dtype ((q - z) * s, scale rounded to it) and accumulates
-    in the dot itself. Default: "output" up to Mp = 16 (gate/up 72.5 against
-    95.1 us), "weight" above, where the product's epilogue grows with M (at M = 64
-    "output" took down to 414 us, "weight" 115)."""
+    in the dot itself (the scale and the product each rounded: ~1.4x the XLA
+    path's error). Default: "output" up to Mp = 16, where it was the faster;
+    "weight" above, where the product's epilogue grows with M (at M = 64 "output"
+    was 3.6x slower on the down projection)."""
     m, k = x.shape
     n = w.shape[0]
     if jnp.dtype(w.dtype) != jnp.uint8 or k % 2:
         raise ValueError(f"weight {w.dtype} {w.shape}: uint8 [N, K/2] expected, K even")
-    if group < 2 or group & (group - 1):
-        raise ValueError(f"group {group}: a power of two expected")
+    if group < 32 or group & (group - 1):
+        raise ValueError(f"group {group}: a power of two >= 32 expected (a dot takes "
+                         "at least 16 columns, half a group)")
     scales = scales or ("output" if common.next_pow2(m) <= 16 else "weight")
     if scales not in ("output", "weight"):
         raise ValueError(f"scales {scales!r}: 'output' or 'weight'")

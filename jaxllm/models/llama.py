@@ -39,10 +39,11 @@ def _linear(rngs, dtype, quant: QuantConfig | None, path: str, in_shape, out_sha
     return _param(rngs, in_shape + out_shape, dtype, in_axes + out_axes)
 
 
-def _proj(w, x, eq: str):
-    """x times a projection's weight: the einsum `eq`, or the QuantLinear's matmul."""
+def _proj(w, x, eq: str, tp: int | None = None):
+    """x times a projection's weight: the einsum `eq`, or the QuantLinear's matmul
+    (tp: the tensor-parallel size, where known)."""
     if isinstance(w, QuantLinear):
-        return w(x)
+        return w(x, tp)
     return jnp.einsum(eq, x, w[...])
 
 
@@ -84,9 +85,9 @@ class Attention(nnx.Module):
         self.cfg = cfg
 
     def __call__(self, x, positions, k_cache, v_cache, md, spec):
-        cfg = self.cfg
-        q = _proj(self.q_proj, x, "te,eqd->tqd")
-        kv = _proj(self.kv_proj, x, "te,eskd->tskd")
+        cfg, tp = self.cfg, tp_size(spec.mesh)
+        q = _proj(self.q_proj, x, "te,eqd->tqd", tp)
+        kv = _proj(self.kv_proj, x, "te,eskd->tskd", tp)
         if cfg.attention_bias:
             q = q + self.q_bias[...]
             kv = kv + self.kv_bias[...]
@@ -94,7 +95,7 @@ class Attention(nnx.Module):
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         inv_freq = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        if tp_size(spec.mesh) <= 1:
+        if tp <= 1:
             # One [T, Hq + 2 Hkv, D] array, RoPE on its q and k heads: XLA writes it in
             # one fusion and the decode kernels read it in place; separate q, k and v
             # arrays take three fusions per layer.
@@ -106,7 +107,7 @@ class Attention(nnx.Module):
             q = apply_rotary(q, positions, inv_freq)
             k = apply_rotary(k, positions, inv_freq)
             out, k_cache, v_cache = paged_attention(q, k, v, k_cache, v_cache, md, spec)
-        return _proj(self.o_proj, out, "tqd,qde->te"), k_cache, v_cache
+        return _proj(self.o_proj, out, "tqd,qde->te", tp), k_cache, v_cache
 
 
 class MLP(nnx.Module):
@@ -117,10 +118,10 @@ class MLP(nnx.Module):
         self.down_proj = _linear(rngs, dtype, quant, prefix + "down_proj", (f,), (e,),
                                  ("mlp",), ("embed",))
 
-    def __call__(self, x):
-        gu = _proj(self.gate_up_proj, x, "te,esf->tsf")
+    def __call__(self, x, tp: int | None = None):
+        gu = _proj(self.gate_up_proj, x, "te,esf->tsf", tp)
         h = jax.nn.silu(gu[:, 0]) * gu[:, 1]
-        return _proj(self.down_proj, h, "tf,fe->te")
+        return _proj(self.down_proj, h, "tf,fe->te", tp)
 
 
 class DecoderLayer(nnx.Module):
@@ -136,7 +137,7 @@ class DecoderLayer(nnx.Module):
                 self.input_layernorm(x), positions, k_cache, v_cache, md, spec)
         x = x + h
         with jax.named_scope("mlp"):
-            x = x + self.mlp(self.post_attention_layernorm(x))
+            x = x + self.mlp(self.post_attention_layernorm(x), tp_size(spec.mesh))
         return x, k_cache, v_cache
 
 

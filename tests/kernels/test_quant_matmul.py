@@ -125,6 +125,9 @@ W4_CASES = [
     (8, 64, 256, 128, dict(k_splits=3)),           # BK 64 < group 128
     (16, 96, 200, 64, dict(k_splits=2)),           # 4 groups, the last of 8 columns
     (64, 48, 256, 32, dict(k_splits=1, block_k=128)),
+    (3, 40, 192, 64, dict(k_splits=1, block_k=128)),   # ragged K, x's columns split
+    (5, 48, 256, 1 << 30, dict(k_splits=2)),           # one group over K (per channel)
+    (33, 48, 256, 64, dict(k_splits=2)),               # 17-64 rows: "weight" by default
 ]
 
 
@@ -152,7 +155,7 @@ def test_w4a16_matches_layer_math(case, scales, split_x):
 @pytest.mark.parametrize("dot_dtype", [jnp.float16, F32], ids=str)
 def test_w4a16_nibbles_in_each_dot_dtype(dot_dtype):
     """f16 nibbles (16 + q from f16 bits) and f32 ones (2^23 + q) give the same sums as
-    bf16's; a 16-bit x is exact in each."""
+    bf16's; this x's bf16 values are exact in f16 and f32."""
     packed, scale, zero = _w4(7, 48, 256, 64)
     x = _x(8, 5, 256, BF16)
     got = run(functools.partial(quant_matmul_int4, group=64, out_dtype=F32, interpret=True,
@@ -189,6 +192,8 @@ def test_rejects_what_it_does_not_support():
     packed, scale, zero = _w4(0, 64, 128, 32)
     with pytest.raises(ValueError, match="power of two"):
         quant_matmul_int4(jnp.zeros((4, 128), BF16), packed, scale, zero, group=48)
+    with pytest.raises(ValueError, match=">= 32"):
+        quant_matmul_int4(jnp.zeros((4, 128), BF16), packed, scale, zero, group=16)
 
 
 # --- the 8B shapes: settings and CUDA lowering ---------------------------------------

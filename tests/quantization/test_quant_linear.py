@@ -91,8 +91,9 @@ def test_gpu_path_lowers_to_a_quantized_dot(kind, operand, acc):
         in dots[0], dots[0]
 
 
-@pytest.mark.parametrize("in_shape,out_shape", [((256,), (4, 32)), ((4, 64), (48,))],
-                         ids=["q_proj", "o_proj"])
+@pytest.mark.parametrize("in_shape,out_shape", [((256,), (4, 32)), ((256,), (2, 2, 16)),
+                                                ((4, 64), (48,))],
+                         ids=["q_proj", "kv_proj", "o_proj"])
 def test_int4_kernel_path_matches_xla_dequant(in_shape, out_shape):
     """QuantLinear's fused-kernel path (interpret mode) flattens a projection's dims
     the way the XLA path reads them: same numbers within the XLA path's bf16 rounding
@@ -116,17 +117,43 @@ def test_int4_kernel_path_matches_xla_dequant(in_shape, out_shape):
 def test_int4_kernel_only_where_it_applies(monkeypatch):
     """The kernel runs for uint4 in column order with a power-of-two group, at decode
     sizes, on one GPU; the XLA path everywhere else."""
-    monkeypatch.setattr(linear, "native_dot", lambda: True)
+    monkeypatch.setattr(linear, "on_gpu", lambda: True)
     monkeypatch.setattr(jax, "device_count", lambda: 1)
-    rows = linear.INT4_KERNEL_ROWS
-    assert linear.use_int4_kernel(LinearScheme("uint4", group=128), rows)
+    rows, g128 = linear.INT4_KERNEL_ROWS, LinearScheme("uint4", group=128)
+    assert linear.use_int4_kernel(g128, rows)
     assert linear.use_int4_kernel(LinearScheme("uint4", group=1 << 30), 1)   # per channel
-    assert not linear.use_int4_kernel(LinearScheme("uint4", group=128), rows + 1)
+    assert not linear.use_int4_kernel(g128, rows + 1)
     assert not linear.use_int4_kernel(LinearScheme("uint4", group=128, g_idx=True), 1)
     assert not linear.use_int4_kernel(LinearScheme("uint4", group=96), 1)
+    assert not linear.use_int4_kernel(LinearScheme("uint4", group=16), 1)
     assert not linear.use_int4_kernel(LinearScheme("uint8", group=128), 1)
+    # Tensor parallelism: the model's size decides where it is known (one GPU of
+    # several visible), the visible devices where it is not.
     monkeypatch.setattr(jax, "device_count", lambda: 2)
-    assert not linear.use_int4_kernel(LinearScheme("uint4", group=128), 1)
+    assert linear.use_int4_kernel(g128, 1, tp=1)
+    assert not linear.use_int4_kernel(g128, 1, tp=2)
+    assert not linear.use_int4_kernel(g128, 1)
     monkeypatch.setattr(jax, "device_count", lambda: 1)
-    monkeypatch.setattr(linear, "native_dot", lambda: False)
-    assert not linear.use_int4_kernel(LinearScheme("uint4", group=128), 1)
+    monkeypatch.setattr(linear, "on_gpu", lambda: False)
+    assert not linear.use_int4_kernel(g128, 1)
+
+
+@pytest.mark.parametrize("out_shape,in_shape", [((2, 8, 128), (4096,)), ((4096,), (32, 128))],
+                         ids=["kv_proj", "o_proj"])
+def test_int4_layer_lowers_to_the_kernel_at_decode_sizes(monkeypatch, out_shape, in_shape):
+    """QuantLinear lowered for CUDA: the Triton kernel up to INT4_KERNEL_ROWS tokens,
+    XLA's dequantize-then-dot above."""
+    from flax import nnx
+    nnx.use_eager_sharding(False)       # as the models set it (jaxllm/models/llama.py)
+    monkeypatch.setattr(linear, "on_gpu", lambda: True)
+    monkeypatch.setattr(jax, "device_count", lambda: 1)
+    layer = linear.QuantLinear(LinearScheme("uint4", group=128), out_shape, in_shape,
+                               (None,) * len(out_shape), (None,) * len(in_shape))
+    graph, state = nnx.split(layer)
+
+    def call(state, x):
+        return nnx.merge(graph, state)(x, tp=1)
+    for tokens in (1, linear.INT4_KERNEL_ROWS, linear.INT4_KERNEL_ROWS + 1):
+        text = lower_for_cuda(call, state, jax.ShapeDtypeStruct((tokens,) + in_shape,
+                                                                jnp.bfloat16))
+        assert ("quant_matmul_int4" in text) == (tokens <= linear.INT4_KERNEL_ROWS)

@@ -114,8 +114,8 @@ def block_matmul(x, wq, w_scale, scheme: LinearScheme, nk: int):
 
 
 def grouped_dequant_matmul(x, wq, scale, zero, g_idx, scheme: LinearScheme, nk: int):
-    """Weight-only uint4 / uint8 (the plain-jnp reference; a fused dequantizing kernel
-    is the fast path to come): the weight dequantized as (q - zero) * scale per group,
+    """Weight-only uint4 / uint8 through XLA (decode-sized uint4 steps on one GPU run
+    int4_kernel_matmul instead): the weight dequantized as (q - zero) * scale per group,
     the matmul in x's dtype with f32 accumulation."""
     t = x.shape[0]
     xf = x.reshape(t, -1)
@@ -138,27 +138,34 @@ def grouped_dequant_matmul(x, wq, scale, zero, g_idx, scheme: LinearScheme, nk: 
 INT4_KERNEL_ROWS = 64
 
 
-def use_int4_kernel(scheme: LinearScheme, tokens: int) -> bool:
+def on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+def use_int4_kernel(scheme: LinearScheme, tokens: int, tp: int | None = None) -> bool:
     """The fused kernel takes 4-bit weights in column order (no act-order map) with a
-    power-of-two group, on one GPU (under tensor parallelism the weight is sharded and
-    XLA's path runs)."""
+    power-of-two group of at least 32 (its dots need 16 columns), on a GPU, unsharded:
+    ``tp`` the model's tensor-parallel size (None: unknown, so only when one device
+    is visible); under tensor parallelism the weight is sharded and XLA's path runs."""
     g = scheme.group or 0
-    return (scheme.weight == "uint4" and not scheme.g_idx and g & (g - 1) == 0
-            and tokens <= INT4_KERNEL_ROWS and native_dot() and jax.device_count() == 1)
+    unsharded = tp == 1 if tp is not None else jax.device_count() == 1
+    return (scheme.weight == "uint4" and not scheme.g_idx and g >= 32 and g & (g - 1) == 0
+            and tokens <= INT4_KERNEL_ROWS and on_gpu() and unsharded)
 
 
 def int4_kernel_matmul(x, wq, scale, zero, scheme: LinearScheme, nk: int,
                        interpret: bool = False):
     """grouped_dequant_matmul's contract through the fused kernel: the projection's
     dims flattened to [T, K] x [N, K/2] (two nibbles a byte along the last K dim,
-    so flattening keeps each pair) and the result reshaped back. f32 [T, N...]."""
+    so flattening keeps each pair) and the result reshaped back. [T, N...] in x's
+    dtype."""
     from pallas_kernels.quant_matmul import quant_matmul_int4   # Triton lowering, lazily
     t = x.shape[0]
     xf = x.reshape(t, -1)
     out = wq.shape[:wq.ndim - nk]
     n = math.prod(out)
     y = quant_matmul_int4(xf, wq.reshape(n, -1), scale.reshape(n, -1),
-                          zero.reshape(n, -1), group=scheme.group, out_dtype=jnp.float32,
+                          zero.reshape(n, -1), group=scheme.group, out_dtype=x.dtype,
                           interpret=interpret)
     return y.reshape(t, *out)
 
@@ -193,10 +200,12 @@ class QuantLinear(nnx.Module):
         if scheme.act is not None and not scheme.act.symmetric:
             self.azp_adj = nnx.Param(jnp.zeros(out_shape, jnp.float32), out_sharding=out_axes)
 
-    def __call__(self, x):
+    def __call__(self, x, tp: int | None = None):
+        """tp: the model's tensor-parallel size, where the caller knows it (the 4-bit
+        kernel runs on unsharded weights only)."""
         s = self.scheme
         w, ws = self.weight[...], self.weight_scale[...]
-        if s.group is not None and use_int4_kernel(s, x.shape[0]):
+        if s.group is not None and use_int4_kernel(s, x.shape[0], tp):
             y = int4_kernel_matmul(x, w, ws, self.weight_zero_point[...], s, self.nk)
         elif s.group is not None:
             y = grouped_dequant_matmul(x, w, ws, self.weight_zero_point[...],
