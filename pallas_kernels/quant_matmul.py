@@ -232,8 +232,7 @@ def quant_matmul_int4(x, w, scale, zero, *, group, out_dtype=None, block_n=None,
     if group < 32 or group & (group - 1):
         raise ValueError(f"group {group}: a power of two >= 32 expected (a dot takes "
                          "at least 16 columns, half a group)")
-    scales = scales or ("output" if common.next_pow2(m) <= 16 else "weight")
-    if scales not in ("output", "weight"):
+    if scales not in (None, "output", "weight"):
         raise ValueError(f"scales {scales!r}: 'output' or 'weight'")
     _check(m, k, w.shape, (n, k // 2))
     groups = common.cdiv(k, group)
@@ -245,6 +244,7 @@ def quant_matmul_int4(x, w, scale, zero, *, group, out_dtype=None, block_n=None,
                           block_k=block_k, k_splits=k_splits, num_warps=num_warps,
                           num_stages=num_stages)
     bk = st["bk"]
+    scales = scales or ("output" if st["mp"] <= 16 else "weight")
     chunk = min(bk, group)
     half, last, ragged = chunk // 2, k // 2 - 1, k % bk != 0
     split_x = split_x and k % chunk == 0
@@ -300,9 +300,9 @@ def _nibbles(p, dtype):
         base, shift = _SIXTEEN[jnp.dtype(dtype)]
         p16 = p.astype(jnp.uint16)
         lo = ((p16 & 15) << shift) | base
-        hi = (((p16 >> 4) & 15) << shift) | base
+        hi = ((p16 >> 4) << shift) | base
         as_float = functools.partial(lax.bitcast_convert_type, new_dtype=dtype)
-        return as_float(lo.astype(jnp.uint16)), as_float(hi.astype(jnp.uint16)), 16.0
+        return as_float(lo), as_float(hi), 16.0
     return _nibble_f32(p & 15).astype(dtype), _nibble_f32(p >> 4).astype(dtype), 0.0
 
 

@@ -112,19 +112,24 @@ def xla_u4(x, wq, s, z):
 
 
 def u4_args(x, n, k, key):
-    kq, ks, kz = jax.random.split(key, 3)
+    kq, kg = jax.random.split(key)
     wq = jax.random.randint(kq, (n, k), 0, 16, jnp.int32).astype(jnp.uint4)
-    s = jax.random.uniform(ks, (n, k // W4_GROUP), jnp.float32, 0.001, 0.004)
-    z = jnp.round(jax.random.uniform(kz, (n, k // W4_GROUP), jnp.float32, 0.0, 15.0))
+    s, z = group_scales(n, k, kg)
     return x, wq, s.astype(jnp.bfloat16), z.astype(jnp.bfloat16)
 
 
 def w4_args(x, n, k, key):
-    kq, ks, kz = jax.random.split(key, 3)
+    kq, kg = jax.random.split(key)
     wq = jax.random.randint(kq, (n, k // 2), 0, 256, jnp.int32).astype(jnp.uint8)
+    return (x, wq, *group_scales(n, k, kg))
+
+
+def group_scales(n, k, key):
+    """Random f32 scales and integer zero points [N, K / W4_GROUP]."""
+    ks, kz = jax.random.split(key)
     s = jax.random.uniform(ks, (n, k // W4_GROUP), jnp.float32, 0.001, 0.004)
     z = jnp.round(jax.random.uniform(kz, (n, k // W4_GROUP), jnp.float32, 0.0, 15.0))
-    return x, wq, s, z
+    return s, z
 
 
 def pallas_error(kind, args, settings) -> float:

@@ -194,6 +194,9 @@ def test_rejects_what_it_does_not_support():
         quant_matmul_int4(jnp.zeros((4, 128), BF16), packed, scale, zero, group=48)
     with pytest.raises(ValueError, match=">= 32"):
         quant_matmul_int4(jnp.zeros((4, 128), BF16), packed, scale, zero, group=16)
+    with pytest.raises(ValueError, match="'output' or 'weight'"):
+        quant_matmul_int4(jnp.zeros((4, 128), BF16), packed, scale, zero, group=32,
+                          scales="both")
 
 
 # --- the 8B shapes: settings and CUDA lowering ---------------------------------------
@@ -226,8 +229,8 @@ def test_default_k_splits_at_8b_shapes():
 
 
 def test_default_int4_settings_at_8b_shapes():
-    """4-bit weights at M = 16 take the splits the H200 sweep preferred (4 for qkv, o
-    and down, none for gate/up), fewer as M grows; the dot's epilogue by M."""
+    """4-bit weights at M = 16 take the splits measured fastest on the H200 (4 for qkv,
+    o and down, none for gate/up), fewer as M grows."""
     def splits(proj, m):
         return default_settings(m, *SHAPES_8B[proj], 4, 2, group=128)["k_splits"]
     assert [splits(p, 16) for p in ("qkv", "o", "gate_up", "down")] == [4, 4, 1, 4]
