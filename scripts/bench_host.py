@@ -186,7 +186,7 @@ def request_params(args, kind) -> list:
 PHASES = (("scheduler", "schedule"), ("scheduler", "update_from_output"),
           ("runner", "prepare_inputs"), ("runner", "_sampling_metadata"),
           ("runner", "launch_step"), ("runner", "sample_step"), ("runner", "get_output"),
-          ("output_processor", "process_outputs"), ("structured", "has_constrained"),
+          ("output_processor", "process_outputs"), ("structured", "constrained_rows"),
           ("structured", "start_bitmask"), ("structured", "bitmask"),
           ("structured", "accept_tokens"))
 

@@ -5,7 +5,8 @@ card (issue 17's lines):
   2. a 50/50 mix: the unconstrained half's output tok/s vs their all-unconstrained run,
   3. first-token latency of one request with a schema never seen before vs unconstrained,
   4. host cost of one token mask (one row, and a 256-row step on llguidance's threads)
-     at the model's vocabulary.
+     at the model's vocabulary,
+  5. device time of the sampler alone at the batch's rows, with and without a bitmask.
 
     python3 scripts/bench_structured.py --model configs/models/llama-3.1-8b   # H200
     python3 scripts/bench_structured.py --mask-cost-only                      # CPU: 49k, 152k
@@ -118,15 +119,16 @@ def mask_cost(lltok, rows: int = 256, steps: int = 64, schema=SCHEMA) -> dict:
 
 class StepPhases:
     """Per engine step of a run: wall time, the engine thread's CPU time, its phases
-    (bench_host's PHASES), Python's collector, and the mask thread's bitmask uploads,
-    so a host-bound run shows where its steps go on the card's own host."""
+    (bench_host's PHASES), the wall time it waited to read steps back (large: the
+    device sets the pace), Python's collector, and the mask thread's bitmask
+    uploads, so a run shows where its steps go on the card's own host."""
 
     def __init__(self, engine):
         from bench_host import gc_timer, time_phases
         self.phases, self.gc = time_phases(engine), gc_timer()
-        self.steps, self.wall, self.cpu, self.upload = 0, 0.0, 0.0, 0.0
+        self.steps, self.wall, self.cpu, self.upload, self.wait = 0, 0.0, 0.0, 0.0, 0.0
         step, executor = engine.step, engine.engine_core.executor
-        upload = executor.upload_bitmask
+        upload, get_output = executor.upload_bitmask, executor.get_output
 
         def timed_step():
             t, c = time.perf_counter(), time.thread_time()
@@ -143,17 +145,55 @@ class StepPhases:
                 return upload(mask)
             finally:
                 self.upload += time.perf_counter() - t
+        def timed_get_output(handle):
+            t = time.perf_counter()
+            try:
+                return get_output(handle)
+            finally:
+                self.wait += time.perf_counter() - t
         engine.step, executor.upload_bitmask = timed_step, timed_upload
+        executor.get_output = timed_get_output
 
     def snapshot(self) -> dict:
         return {"steps": self.steps, "wall": self.wall, "engine_cpu": self.cpu,
-                "python gc": self.gc[0], "mask upload": self.upload, **self.phases}
+                "read-back wall": self.wait, "python gc": self.gc[0],
+                "mask upload": self.upload, **self.phases}
 
     @staticmethod
     def per_step(before: dict, after: dict) -> dict:
         n = max(after["steps"] - before["steps"], 1)
         return {"steps": n, **{f"{k}_ms": round(1000 * (after[k] - before.get(k, 0.0)) / n, 3)
                                for k in after if k != "steps"}}
+
+
+def sampler_cost(rows: int, vocab: int, iters: int = 50) -> dict:
+    """Device time of the sampler alone (seeded temperature-1 rows, as the runs use),
+    without and with a grammar bitmask, ms per call back to back."""
+    import dataclasses
+
+    import jax
+    from jaxllm import SamplingParams
+    from jaxllm.runner import sampling_rows
+    from jaxllm.runner.sampler import sample
+    rng = np.random.default_rng(0)
+    logits = jax.device_put(rng.normal(0, 1, (rows, vocab)).astype(np.float32)).astype("bfloat16")
+    width = -(-vocab // 32)
+    mask = jax.device_put(rng.integers(-2**31, 2**31 - 1, (rows, width), dtype=np.int64)
+                          .astype(np.int32))
+    params = [SamplingParams(temperature=1.0, seed=i) for i in range(rows)]
+    md, flags = sampling_rows.from_params(params, [0] * rows, [[]] * rows, [[]] * rows,
+                                          rows, vocab)
+    fn = jax.jit(sample, static_argnums=2)
+    out = {}
+    for name, f, extra in (("plain", flags, ()),
+                           ("bitmask", dataclasses.replace(flags, use_bitmask=True), (mask,))):
+        jax.block_until_ready(fn(logits, md, f, *extra))
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            r = fn(logits, md, f, *extra)
+        jax.block_until_ready(r)
+        out[f"sampler_{name}_ms"] = 1000 * (time.perf_counter() - t0) / iters
+    return out
 
 
 def run(llm, prompts, params) -> tuple[float, list]:
@@ -261,6 +301,7 @@ def bench_engine(args) -> dict:
                             "new_schema": [round(1000 * x, 2) for x in ttft_new]},
                grammars_compiled=som.num_compiled,
                grammar_compile_ms_mean=1000 * som.compile_seconds / max(som.num_compiled, 1))
+    res["sampler_cost"] = sampler_cost(n, vocab)
     res["mask_cost"] = mask_cost(lltok)
     res["mask_cost_maxlength"] = mask_cost(lltok, schema=SCHEMA_MAXLENGTH)
     return res
@@ -317,6 +358,10 @@ def main():
     for label, rs in res.get("phases", {}).items():
         for r in rs:
             print(f"{label}: " + ", ".join(f"{k.removesuffix('_ms')} {v:g}" for k, v in r.items()))
+    if "sampler_cost" in res:
+        c = res["sampler_cost"]
+        print(f"sampler alone at {res['num']} rows: {c['sampler_plain_ms']:.3f} ms, with a "
+              f"bitmask {c['sampler_bitmask_ms']:.3f} ms")
     if "ttft_new_schema_ms" in res:
         print(f"TTFT new schema {res['ttft_new_schema_ms']:.1f} ms vs plain "
               f"{res['ttft_plain_ms']:.1f} ms (goal <= plain + 20 ms)")

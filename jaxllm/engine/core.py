@@ -60,7 +60,8 @@ class EngineCore:
         self.async_scheduling = async_scheduling
         self.structured_output_manager = structured_output_manager
         self.seeds: dict[str, int] = {}     # request id -> its sampling seed
-        self._in_flight: tuple[SchedulerOutput, Any] | None = None   # launched, not read
+        # Launched, not read back: (its SchedulerOutput, handle, constrained rows).
+        self._in_flight: tuple[SchedulerOutput, Any, list] | None = None
         # A launched step whose sampler waits for its grammar bitmask: (handle, Future).
         self._pending_mask: tuple[Any, Any] | None = None
 
@@ -90,7 +91,7 @@ class EngineCore:
         if drafting:
             self._propose(drafting)
         so = self.scheduler.schedule()
-        constrained = self._constrained(so)
+        constrained = self._constrained_rows(so)
         # A sampler waiting for its bitmask launches once this step's inputs are ready,
         # before this step's model (which reads its tokens).
         finish = None if self._pending_mask is None else functools.partial(
@@ -133,18 +134,21 @@ class EngineCore:
         return not any(requests[r.request_id].sampling_params.uses_penalties
                        for r in so.scheduled if r.request_id in requests)
 
-    def _constrained(self, so: SchedulerOutput) -> bool:
+    def _constrained_rows(self, so: SchedulerOutput) -> list:
+        """The step's rows that sample under a grammar (the manager's constrained_rows)."""
         som = self.structured_output_manager
-        return som is not None and som.has_constrained(so.scheduled, self.scheduler.requests)
+        return [] if som is None else som.constrained_rows(so.scheduled, self.scheduler.requests)
 
-    def _start_masks(self, so: SchedulerOutput, handle) -> None:
+    def _start_masks(self, so: SchedulerOutput, handle, rows: list) -> None:
         """Have the grammar bitmask of a step whose model is running computed (and
         copied to the device) on the manager's threads, while this thread goes on (the
         outputs, the next schedule and inputs)."""
-        # The handle's rows: a request verifying drafts has one row per draft.
-        self._pending_mask = handle, self.structured_output_manager.start_bitmask(
-            handle.scheduled, self.scheduler.requests, self.executor.sampler_rows(handle),
-            self.executor.upload_bitmask)
+        som = self.structured_output_manager
+        if len(handle.scheduled) != len(so.scheduled):
+            # Another request verifies drafts (one row per draft): the handle's rows.
+            rows = som.constrained_rows(handle.scheduled, self.scheduler.requests)
+        self._pending_mask = handle, som.start_bitmask(
+            rows, self.executor.sampler_rows(handle), self.executor.upload_bitmask)
 
     def _finish_sampling(self, handle) -> None:
         """Launch the sampler of a step that waits for its grammar bitmask."""
@@ -158,7 +162,9 @@ class EngineCore:
         if self.structured_output_manager is not None:
             self.structured_output_manager.wait_for_grammars(0.05)
 
-    def _launch(self, so: SchedulerOutput, defer_sample: bool = False, before_dispatch=None):
+    def _launch(self, so: SchedulerOutput, constrained: list, before_dispatch=None):
+        """(so, handle, constrained) of a launched step; a step with constrained rows
+        leaves its sampler for its bitmask."""
         if not so.scheduled:
             return None
         now = time.time()
@@ -167,16 +173,17 @@ class EngineCore:
             req.first_scheduled_time = req.first_scheduled_time or now
         try:
             return so, self.executor.execute_model(
-                so, requests, {rid: self.seeds[rid] for rid in requests}, defer_sample,
-                before_dispatch)
+                so, requests, {rid: self.seeds[rid] for rid in requests}, bool(constrained),
+                before_dispatch), constrained
         except KVCacheLostError as e:
             logger.warning("%s: %d running requests compute their KV again", e,
                            self.scheduler.num_running)
             self.scheduler.recompute_all(so)
             return None
 
-    def _update(self, so: SchedulerOutput, handle) -> EngineCoreOutputs:
-        """Read a launched step back and advance the scheduler with its tokens."""
+    def _update(self, so: SchedulerOutput, handle, constrained: list) -> EngineCoreOutputs:
+        """Read a launched step back and advance the scheduler with its tokens
+        (`constrained`: the step's rows under a grammar)."""
         self._finish_sampling(handle)
         results, prompt_logprobs = self.executor.get_output(handle)
         tokens = {rid: [x.token_id for x in r] if isinstance(r, list) else r.token_id
@@ -188,9 +195,8 @@ class EngineCore:
                     self.spec_stats.observe(len(r.spec_token_ids), accepted)
                     self.spec_policy.observe(r.request_id, accepted)
             self.spec_policy.forget(so.finished_request_ids)
-        if self.structured_output_manager is not None:
-            self.structured_output_manager.accept_tokens(so.scheduled, self.scheduler.requests,
-                                                         tokens)
+        if constrained:
+            self.structured_output_manager.accept_tokens(constrained, tokens)
         updated = self.scheduler.update_from_output(so, tokens)
         out = EngineCoreOutputs(prompt_logprobs=prompt_logprobs)
         for req in updated:

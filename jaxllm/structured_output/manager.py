@@ -21,7 +21,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from jaxllm.engine.request import live_request
 from jaxllm.structured_output import backend_guidance
 from jaxllm.structured_output.request import StructuredOutputRequest
 
@@ -45,6 +44,33 @@ def mask_threads() -> int:
     return max(1, min(8, (os.cpu_count() or 2) // 2))
 
 
+class MaskBuffers:
+    """Host bitmasks, two per height, used in turn (only by the mask thread). A new
+    array each step cost its allocation and an all-ones fill under the GIL (4 MB at
+    256 rows of a 128k vocabulary), which the engine thread waited for. A buffer is
+    taken again two masks of its height later, when the engine has read back the
+    step that used it, so its upload has reached the device; rows it filled then
+    and does not fill now go back to all ones, the rows filled now are written
+    whole by llguidance."""
+
+    def __init__(self, width: int):
+        self.width = width
+        self._slots: dict[int, list] = {}     # height -> [[buffer, rows filled]] * 2
+
+    def take(self, height: int, rows: list[int]) -> np.ndarray:
+        slot = self._slots.get(height)
+        if slot is None:
+            slot = self._slots[height] = [
+                [np.full((height, self.width), -1, np.int32), []] for _ in range(2)]
+        slot.reverse()
+        entry = slot[0]
+        stale = set(entry[1]).difference(rows)
+        if stale:
+            entry[0][sorted(stale)] = -1
+        entry[1] = rows
+        return entry[0]
+
+
 class StructuredOutputManager:
     def __init__(self, tokenizer, vocab_size: int, eos_token_id: int | None = None,
                  num_threads: int | None = None):
@@ -60,8 +86,10 @@ class StructuredOutputManager:
         # Masks on a thread of their own (llguidance's threads under it drop the GIL),
         # never queued behind a grammar compile.
         self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="jaxllm-masks")
+        self._buffers = MaskBuffers(self.mask_width)
         # key -> [requests so far, compiled copies (Futures of pristine matchers)]
         self._grammars: OrderedDict[str, list] = OrderedDict()
+        self._validated: OrderedDict[str, None] = OrderedDict()     # keys that passed
         self.copies = max(1, min(16, os.cpu_count() or 1))
         self._lock = threading.Lock()
         # Prometheus counters (seconds): compiling grammars, computing masks.
@@ -73,8 +101,19 @@ class StructuredOutputManager:
 
     def validate(self, params) -> None:
         """ValueError naming the field for a constraint that cannot compile, checked
-        against the model's vocabulary too (waits for it in the first second of a start)."""
+        against the model's vocabulary too (waits for it in the first second of a start).
+        A constraint that passed is not checked again (~0.2 ms each: 128 requests of one
+        schema added at once delayed the first step by ~20 ms)."""
+        key = params.key
+        with self._lock:
+            if key in self._validated:
+                self._validated.move_to_end(key)
+                return
         backend_guidance.validate(params, self._tokenizer.result())
+        with self._lock:
+            self._validated[key] = None
+            while len(self._validated) > MAX_CACHED_GRAMMARS:
+                self._validated.popitem(last=False)
 
     def set_mask_threads(self, threads: int) -> None:
         """Compute the masks on this many llguidance threads from now on (benchmarks)."""
@@ -119,25 +158,32 @@ class StructuredOutputManager:
         self.num_compiled += 1
         return matcher
 
-    def start_bitmask(self, scheduled, requests: dict, rows: int, upload) -> Future:
-        """The step's grammar bitmask i32[rows, W] (rows >= the scheduled rows; the
-        rest, and rows of requests finished since they were scheduled, all ones),
-        computed on the mask thread, then `upload(mask)`'s result (the device copy).
-        `requests`: the live requests by id. The rows' matchers are taken now; none
-        may advance until the result is read."""
-        pairs = self._rows(scheduled, requests)
-        return self._mask_pool.submit(lambda: upload(self._fill(pairs, rows)))
-
-    @staticmethod
-    def _rows(scheduled, requests: dict) -> list[tuple]:
-        pairs = []
+    def constrained_rows(self, scheduled, requests: dict) -> list[tuple]:
+        """A step's rows that sample under a grammar, as (row, request id, grammar);
+        [] at once while no constrained request ever came. Taken right after the
+        step is scheduled, once: the step's masks and, once it is read back, its
+        accept_tokens use the same list (a request that finished in between only
+        has its row's mask and token computed for nothing)."""
+        if not self._grammars:
+            return []
+        rows = []
         for i, r in enumerate(scheduled):
-            req = live_request(requests, r)
-            grammar = req.structured_output_request if req is not None else None
-            if r.do_sample and grammar is not None and grammar.matcher is not None \
-                    and grammar.error is None:
-                pairs.append((grammar.matcher, i))
-        return pairs
+            if r.do_sample:
+                req = requests.get(r.request_id)
+                grammar = None if req is None else req.structured_output_request
+                if grammar is not None and grammar.matcher is not None:
+                    rows.append((i, r.request_id, grammar))
+        return rows
+
+    def start_bitmask(self, rows: list[tuple], height: int, upload) -> Future:
+        """The step's grammar bitmask i32[height, W] (height >= the scheduled rows;
+        rows not in `rows` (constrained_rows'), and rows whose grammar failed, all
+        ones), computed on the mask thread, then `upload(mask)`'s result (the device
+        copy). The rows' matchers are taken now; none may advance until the result
+        is read, and the upload must have reached the device before the step after
+        next starts its masks (the engine reads each step back before that)."""
+        pairs = [(grammar.matcher, i) for i, _, grammar in rows if grammar.error is None]
+        return self._mask_pool.submit(lambda: upload(self._fill(pairs, height)))
 
     def bitmask(self, future: Future):
         """A started bitmask's result (the engine thread waits for it)."""
@@ -147,25 +193,22 @@ class StructuredOutputManager:
         finally:
             self.mask_wait_seconds += time.perf_counter() - t0
 
-    def accept_tokens(self, scheduled, requests: dict, sampled: dict) -> None:
-        """Advance the matchers of a step's constrained rows by their sampled tokens
-        (`sampled`: request id -> token), all in one llguidance call on the mask
-        threads, ahead of the scheduler's update_from_output, whose accept(token) then
-        only reads the result. One by one on the engine thread, 256 rows cost ~1 ms
-        per step. Fewer rows than PARALLEL_ACCEPT_ROWS are left to the scheduler.
-        Called between a step's masks, never during one: the rows' matchers are the
-        masks' too."""
-        if not self._grammars or len(scheduled) < PARALLEL_ACCEPT_ROWS:
-            return      # fewer rows scheduled, so fewer constrained ones too
+    def accept_tokens(self, rows: list[tuple], sampled: dict) -> None:
+        """Advance the matchers of a step's constrained rows (its constrained_rows) by
+        their sampled tokens (`sampled`: request id -> token), all in one llguidance
+        call on the mask threads, ahead of the scheduler's update_from_output, whose
+        accept(token) then only reads the result. One by one on the engine thread,
+        256 rows cost ~1 ms per step. Fewer rows than PARALLEL_ACCEPT_ROWS are left
+        to the scheduler. Called between a step's masks, never during one: the rows'
+        matchers are the masks' too."""
+        if len(rows) < PARALLEL_ACCEPT_ROWS:
+            return
         grammars, pairs = [], []
-        for r in scheduled:
-            req = live_request(requests, r)
-            grammar = req.structured_output_request if req is not None else None
-            if r.do_sample and grammar is not None and grammar.matcher is not None:
-                token = sampled[r.request_id]
-                if isinstance(token, int):      # constrained rows never verify drafts
-                    grammars.append(grammar)
-                    pairs.append((grammar.matcher, token))
+        for _, request_id, grammar in rows:
+            token = sampled.get(request_id)
+            if isinstance(token, int):      # constrained rows never verify drafts
+                grammars.append(grammar)
+                pairs.append((grammar.matcher, token))
         if len(pairs) >= PARALLEL_ACCEPT_ROWS:
             for grammar, (_, token), ok in zip(grammars, pairs,
                                                 self._mask_filler().consume(pairs)):
@@ -176,23 +219,13 @@ class StructuredOutputManager:
             self._filler = backend_guidance.MaskFiller(self._num_threads)
         return self._filler
 
-    def _fill(self, pairs: list[tuple], rows: int) -> np.ndarray:
+    def _fill(self, pairs: list[tuple], height: int) -> np.ndarray:
         t0 = time.perf_counter()
-        # A new buffer each step: the device copy of the last one may still read it.
-        mask = np.full((rows, self.mask_width), -1, np.int32)
+        mask = self._buffers.take(height, [i for _, i in pairs])
         if pairs:
             self._mask_filler().fill(pairs, mask)
         self.mask_seconds += time.perf_counter() - t0
         return mask
-
-    def has_constrained(self, scheduled, requests: dict) -> bool:
-        if not self._grammars:      # no constrained request yet: no per-step scan
-            return False
-        for r in scheduled:
-            req = requests.get(r.request_id)
-            if r.do_sample and req is not None and req.structured_output_request is not None:
-                return True
-        return False
 
     def wait_for_grammars(self, timeout: float) -> None:
         """Block up to `timeout` s for a compiling grammar (when nothing else runs)."""
