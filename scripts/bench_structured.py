@@ -17,13 +17,15 @@ BPE vocabulary). The schema's minimum length exceeds max_tokens, so every reques
 both runs generates exactly max_tokens tokens. After one untimed run of each path at
 the full batch, runs alternate (plain, constrained, mix, and maxLength at the first
 setting) `--repeat` times; each figure is the median over repeats of its ratio to the
-plain run just before it. `--phases` adds, per engine step of each run, the host's
+plain run just before it, and again from the fastest run of each kind (the host's
+interference only slows runs down, some by tens of percent). `--phases` adds, per engine step of each run, the host's
 time by phase. Prints a table; JSON to $OUT/bench_structured.json when OUT is set.
 """
 from __future__ import annotations
 
 import argparse
 import base64
+import gc
 import importlib.resources
 import json
 import os
@@ -197,6 +199,9 @@ def sampler_cost(rows: int, vocab: int, iters: int = 50) -> dict:
 
 
 def run(llm, prompts, params) -> tuple[float, list]:
+    # Each run from a collected heap: a full collection inside one run took 3.4 ms
+    # per step of it on the H200's host, in plain and constrained runs alike.
+    gc.collect()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     return time.perf_counter() - t0, outs
@@ -245,6 +250,7 @@ def bench_engine(args) -> dict:
     res["phases"] = phases_by_run = {}
 
     def timed(label, fn, *a):
+        gc.collect()            # (run's own collect then finds nothing, outside the phases)
         before = phases.snapshot() if phases else None
         out = fn(*a)
         if phases:
@@ -271,13 +277,14 @@ def bench_engine(args) -> dict:
             res["constrained_finish"] = sorted({o.outputs[0].finish_reason for o in outs})
             steps = args.max_tokens
             runs.setdefault(key, []).append({
-                "plain_out_tok_s": plain_tps,
+                "plain_out_tok_s": plain_tps, "plain_half_out_tok_s": plain_half,
                 "constrained_out_tok_s": out_tokens(outs) / t,
                 "constrained_ratio": out_tokens(outs) / t / plain_tps,
                 "mask_ms_per_step": 1000 * (som.mask_seconds - mask0) / steps,
                 "mask_wait_ms_per_step": 1000 * (som.mask_wait_seconds - wait0) / steps})
             params = [constrained(i) if i % 2 else plain(i) for i in range(n)]
             _, outs = timed(f"mix {key}", run, llm, prompts, params)
+            runs[key][-1]["mix_half_out_tok_s"] = half_rate(outs, 0)
             runs[key][-1]["mix_slowdown"] = 1 - half_rate(outs, 0) / plain_half
             if (si, threads) == combos[0]:
                 t, outs = run(llm, prompts, [constrained(i, SCHEMA_MAXLENGTH) for i in range(n)])
@@ -285,6 +292,15 @@ def bench_engine(args) -> dict:
     res["all_runs"] = runs
     res["by_setting"] = {key: {m: statistics.median(r[m] for r in rs) for m in rs[0]}
                          for key, rs in runs.items()}
+    # The host's interference only ever slows a run down, by up to tens of percent for
+    # a whole run: the fastest run of each kind is the code's own cost.
+    for key, rs in runs.items():
+        best = {m: max(r[m] for r in rs) for m in
+                ("plain_out_tok_s", "constrained_out_tok_s", "plain_half_out_tok_s",
+                 "mix_half_out_tok_s")}
+        res["by_setting"][key].update(
+            best_constrained_ratio=best["constrained_out_tok_s"] / best["plain_out_tok_s"],
+            best_mix_slowdown=1 - best["mix_half_out_tok_s"] / best["plain_half_out_tok_s"])
     configure(*combos[0])
     ttft_plain, ttft_new = [], []
     for k in range(args.ttft_trials):
@@ -355,6 +371,8 @@ def main():
               f"{r['mask_ms_per_step']:.2f} ms/step, engine waited "
               f"{r['mask_wait_ms_per_step']:.2f} ms/step"
               + (f"; maxLength strings {r['maxlength_ratio']:.3f}" if "maxlength_ratio" in r else ""))
+        print(f"  fastest runs of each kind: constrained/plain {r['best_constrained_ratio']:.3f}, "
+              f"mix plain half slowed {100 * r['best_mix_slowdown']:.1f}%")
     for label, rs in res.get("phases", {}).items():
         for r in rs:
             print(f"{label}: " + ", ".join(f"{k.removesuffix('_ms')} {v:g}" for k, v in r.items()))

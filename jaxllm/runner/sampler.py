@@ -116,9 +116,13 @@ def sample(logits: jax.Array, md: SamplingMetadata, flags: SamplerFlags,
            bitmask: jax.Array | None = None) -> SamplerOutput:
     """Sample one token per row. logits: [S, V] (any float dtype); bitmask: i32[S, W]
     with ``flags.use_bitmask``."""
-    logits = logits.astype(jnp.float32)
     if flags.use_bitmask:
-        logits = apply_token_bitmask(logits, bitmask)
+        # Masked once, in the logits' own dtype, and kept: left to XLA, the mask's
+        # bit unpacking fused into each of the passes below and the 256-row sampler
+        # at a 128k vocabulary took 0.75 ms on the H200 against 0.25 unmasked
+        # (0.30 like this).
+        logits = jax.lax.optimization_barrier(apply_token_bitmask(logits, bitmask))
+    logits = logits.astype(jnp.float32)
     raw_logits = logits
     if flags.use_penalties:
         logits = apply_penalties(logits, md)
