@@ -257,18 +257,24 @@ def bench_engine(args) -> dict:
             phases_by_run.setdefault(label, []).append(
                 StepPhases.per_step(before, phases.snapshot()))
         return out
-    combos = [(si, t) for si in args.switch_intervals for t in args.mask_threads]
+    combos = [(si, t, up) for si in args.switch_intervals for t in args.mask_threads
+              for up in args.upload_thread]
+    executor = engine.engine_core.executor
+    mask_thread_upload = executor.upload_bitmask
 
-    def configure(si, threads):     # what the manager sets once a constrained request came
+    def configure(si, threads, upload="mask"):   # what the manager sets once a constrained
+        # request came; "engine": the mask thread hands back the host array and the
+        # engine thread uploads it as it launches the sampler.
+        executor.upload_bitmask = mask_thread_upload if upload == "mask" else (lambda m: m)
         som.gil_switch_interval = si
         sys.setswitchinterval(si)
         som.set_mask_threads(threads)
     # Host-bound runs drift by tens of percent within one process, so each figure is
     # the median over repeats of a ratio to the plain run just before it.
     for _ in range(args.repeat):
-        for si, threads in combos:
-            configure(si, threads)
-            key = f"{si * 1000:g}ms/{threads}t"
+        for si, threads, upload in combos:
+            configure(si, threads, upload)
+            key = f"{si * 1000:g}ms/{threads}t" + ("" if upload == "mask" else "/engine-upload")
             t, outs = timed("plain", run, llm, prompts, [plain(i) for i in range(n)])
             plain_tps, plain_half = out_tokens(outs) / t, half_rate(outs, 0)
             mask0, wait0 = som.mask_seconds, som.mask_wait_seconds
@@ -286,7 +292,7 @@ def bench_engine(args) -> dict:
             _, outs = timed(f"mix {key}", run, llm, prompts, params)
             runs[key][-1]["mix_half_out_tok_s"] = half_rate(outs, 0)
             runs[key][-1]["mix_slowdown"] = 1 - half_rate(outs, 0) / plain_half
-            if (si, threads) == combos[0]:
+            if (si, threads, upload) == combos[0]:
                 t, outs = run(llm, prompts, [constrained(i, SCHEMA_MAXLENGTH) for i in range(n)])
                 runs[key][-1]["maxlength_ratio"] = out_tokens(outs) / t / plain_tps
     res["all_runs"] = runs
@@ -338,6 +344,9 @@ def main():
     ap.add_argument("--mask-threads", type=lambda v: [int(x) for x in v.split(",")],
                     default=None, metavar="N,N", help="llguidance threads for the masks "
                     "(default: the manager's)")
+    ap.add_argument("--upload-thread", type=lambda v: v.split(","), default=["mask"],
+                    metavar="mask,engine", help="which thread copies the bitmask to the "
+                    "device (default: the mask thread, as the engine does)")
     ap.add_argument("--phases", action="store_true",
                     help="per engine step of each run: wall and engine-thread CPU time, "
                          "the step's host phases, the collector and the mask uploads")
