@@ -104,12 +104,17 @@ class StructuredOutputManager:
         against the model's vocabulary too (waits for it in the first second of a start).
         A constraint that passed is not checked again (~0.2 ms each: 128 requests of one
         schema added at once delayed the first step by ~20 ms)."""
-        key = params.key
+        try:
+            key = params.key
+        except (TypeError, ValueError):     # not JSON (the Python API): llguidance says why
+            key = None
         with self._lock:
             if key in self._validated:
                 self._validated.move_to_end(key)
                 return
         backend_guidance.validate(params, self._tokenizer.result())
+        if key is None:
+            return
         with self._lock:
             self._validated[key] = None
             while len(self._validated) > MAX_CACHED_GRAMMARS:
@@ -126,6 +131,8 @@ class StructuredOutputManager:
         done: Future = Future()
         done.set_result(lltokenizer)
         self._tokenizer = done
+        with self._lock:
+            self._validated.clear()     # checked against the old vocabulary
 
     def new_request(self, request_id: str, params) -> StructuredOutputRequest:
         """A request's grammar state; its grammar compiles now unless cached.

@@ -43,6 +43,7 @@ def test_accept_tokens_matches_one_by_one(monkeypatch):
             scheduled, {f"r{i}": _Req(g) for i, g in enumerate(ahead)})
         assert [(i, rid) for i, rid, _ in rows] == list(enumerate(tokens))
         manager.accept_tokens(rows, tokens)
+        assert all(g._accepted_ahead is not None for g in ahead)     # consumed ahead
         for rid, g, h in zip(tokens, ahead, alone):
             assert g.accept(tokens[rid]) == h.accept(tokens[rid])
             assert (g.error is None) == (h.error is None)
@@ -77,7 +78,7 @@ def test_a_constraint_is_validated_once(monkeypatch):
     calls = []
     real = backend_guidance.validate
     monkeypatch.setattr(backend_guidance, "validate",
-                        lambda params, tok=None: calls.append(params.key) or real(params, tok))
+                        lambda params, tok=None: calls.append(params.kind) or real(params, tok))
     tok = get_tokenizer(None)
     manager = StructuredOutputManager(tok, len(tok), tok.eos_token_id)
     try:
@@ -89,5 +90,8 @@ def test_a_constraint_is_validated_once(monkeypatch):
             with pytest.raises(ValueError, match="structured_outputs.regex"):
                 manager.validate(StructuredOutputsParams(regex="(ab"))
         assert len(calls) == 4
+        # Not JSON at all (a set, from the Python API): still the field's ValueError.
+        with pytest.raises(ValueError, match="structured_outputs.json"):
+            manager.validate(StructuredOutputsParams(json={"enum": {"a", "b"}}))
     finally:
         manager.shutdown()

@@ -1,7 +1,9 @@
-"""Constrained requests in the same steps as requests that verify n-gram drafts. A
+"""How a step's constrained rows reach the masks and the matchers. Constrained
+requests in the same steps as requests that verify drafts: a
 verifying request takes one sampler row per draft, so the rows after it move: the
 constrained rows' masks must land on their new rows, or the constrained outputs break
-their regex and the unconstrained ones change."""
+their regex and the unconstrained ones change. And the parallel consume of a step's
+tokens (accept_tokens) against one by one."""
 from __future__ import annotations
 
 import re
@@ -60,5 +62,28 @@ def test_masks_follow_rows_moved_by_drafts(tiny_folder, tiny_llm):
     assert core.spec_stats.num_drafts > 0
     assert [o.outputs[0].token_ids for o in outs[:4]] == alone
     for o in outs[4:]:
+        assert o.outputs[0].finish_reason == "stop"
+        assert re.fullmatch(regex, o.outputs[0].text), o.outputs[0].text
+
+
+def test_parallel_consume_gives_the_same_outputs(tiny_llm, monkeypatch):
+    """The engine's accept_tokens (one llguidance call for a step's rows, from 128 rows
+    by default; here from 2) leaves every constrained output as consuming one by one
+    does: same tokens for the same seeds, each output complete."""
+    from jaxllm.structured_output import manager as manager_module
+    som = tiny_llm.llm_engine.engine_core.structured_output_manager
+    regex = r"[0-9]{2}-[a-z]{3}"
+    params = [constrained(seed=s, max_tokens=12, regex=regex) for s in range(6)]
+    one_by_one = [o.outputs[0].token_ids for o in tiny_llm.generate(
+        ["code"] * 6, params, use_tqdm=False)]
+    calls = []
+    consume = som._mask_filler().consume
+    monkeypatch.setattr(manager_module, "PARALLEL_ACCEPT_ROWS", 2)
+    monkeypatch.setattr(som._mask_filler(), "consume",
+                        lambda pairs: calls.append(len(pairs)) or consume(pairs))
+    outs = tiny_llm.generate(["code"] * 6, params, use_tqdm=False)
+    assert calls and max(calls) == 6
+    assert [o.outputs[0].token_ids for o in outs] == one_by_one
+    for o in outs:
         assert o.outputs[0].finish_reason == "stop"
         assert re.fullmatch(regex, o.outputs[0].text), o.outputs[0].text
