@@ -141,20 +141,17 @@ class StepPhases:
                 self.wall += time.perf_counter() - t
                 self.cpu += time.thread_time() - c
 
-        def timed_upload(mask):
-            t = time.perf_counter()
-            try:
-                return upload(mask)
-            finally:
-                self.upload += time.perf_counter() - t
-        def timed_get_output(handle):
-            t = time.perf_counter()
-            try:
-                return get_output(handle)
-            finally:
-                self.wait += time.perf_counter() - t
-        engine.step, executor.upload_bitmask = timed_step, timed_upload
-        executor.get_output = timed_get_output
+        def wall_timed(fn, total: str):       # fn, its wall time added to self.<total>
+            def timed(arg):
+                t = time.perf_counter()
+                try:
+                    return fn(arg)
+                finally:
+                    setattr(self, total, getattr(self, total) + time.perf_counter() - t)
+            return timed
+        engine.step = timed_step
+        executor.upload_bitmask = wall_timed(upload, "upload")
+        executor.get_output = wall_timed(get_output, "wait")
 
     def snapshot(self) -> dict:
         return {"steps": self.steps, "wall": self.wall, "engine_cpu": self.cpu,
