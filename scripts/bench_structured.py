@@ -119,52 +119,6 @@ def mask_cost(lltok, rows: int = 256, steps: int = 64, schema=SCHEMA) -> dict:
             f"step_{rows}_rows_ms_median": 1000 * statistics.median(batch), "cpus": os.cpu_count()}
 
 
-class StepPhases:
-    """Per engine step of a run: wall time, the engine thread's CPU time, its phases
-    (bench_host's PHASES), the wall time it waited to read steps back (large: the
-    device sets the pace), Python's collector, and the mask thread's bitmask
-    uploads, so a run shows where its steps go on the card's own host."""
-
-    def __init__(self, engine):
-        from bench_host import gc_timer, time_phases
-        self.phases, self.gc = time_phases(engine), gc_timer()
-        self.steps, self.wall, self.cpu, self.upload, self.wait = 0, 0.0, 0.0, 0.0, 0.0
-        step, executor = engine.step, engine.engine_core.executor
-        upload, get_output = executor.upload_bitmask, executor.get_output
-
-        def timed_step():
-            t, c = time.perf_counter(), time.thread_time()
-            try:
-                return step()
-            finally:
-                self.steps += 1
-                self.wall += time.perf_counter() - t
-                self.cpu += time.thread_time() - c
-
-        def wall_timed(fn, total: str):       # fn, its wall time added to self.<total>
-            def timed(arg):
-                t = time.perf_counter()
-                try:
-                    return fn(arg)
-                finally:
-                    setattr(self, total, getattr(self, total) + time.perf_counter() - t)
-            return timed
-        engine.step = timed_step
-        executor.upload_bitmask = wall_timed(upload, "upload")
-        executor.get_output = wall_timed(get_output, "wait")
-
-    def snapshot(self) -> dict:
-        return {"steps": self.steps, "wall": self.wall, "engine_cpu": self.cpu,
-                "read-back wall": self.wait, "python gc": self.gc[0],
-                "mask upload": self.upload, **self.phases}
-
-    @staticmethod
-    def per_step(before: dict, after: dict) -> dict:
-        n = max(after["steps"] - before["steps"], 1)
-        return {"steps": n, **{f"{k}_ms": round(1000 * (after[k] - before.get(k, 0.0)) / n, 3)
-                               for k in after if k != "steps"}}
-
-
 def sampler_cost(rows: int, vocab: int, iters: int = 50) -> dict:
     """Device time of the sampler alone (seeded temperature-1 rows, as the runs use;
     float32 logits, as the models give it), without and with a grammar bitmask, ms per
@@ -196,10 +150,12 @@ def sampler_cost(rows: int, vocab: int, iters: int = 50) -> dict:
     return out
 
 
-def run(llm, prompts, params) -> tuple[float, list]:
+def run(llm, prompts, params, started=None) -> tuple[float, list]:
     # Each run from a collected heap: a full collection inside one run took 3.4 ms
     # per step of it on the H200's host, in plain and constrained runs alike.
     gc.collect()
+    if started is not None:
+        started()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     return time.perf_counter() - t0, outs
@@ -244,35 +200,43 @@ def bench_engine(args) -> dict:
     run(llm, prompts, [constrained(i) for i in range(n)])
     run(llm, prompts, [plain(i) for i in range(n)])
     runs: dict[str, list] = {}
+    from host_stats import StepPhases, topology
+    res["host"] = topology()
     phases = StepPhases(engine) if args.phases else None
     res["phases"] = phases_by_run = {}
 
-    def timed(label, fn, *a):
-        gc.collect()            # (run's own collect then finds nothing, outside the phases)
-        before = phases.snapshot() if phases else None
-        out = fn(*a)
-        if phases:
-            phases_by_run.setdefault(label, []).append(
-                StepPhases.per_step(before, phases.snapshot()))
+    def timed(label, fn, *a):       # fn(*a, started=...): run
+        if not phases:
+            return fn(*a)
+        before = {}       # from after the run's collect (a full one takes ~0.4 s)
+        out = fn(*a, started=lambda: before.update(phases.snapshot()))
+        phases_by_run.setdefault(label, []).append(StepPhases.per_step(before, phases.snapshot()))
         return out
-    combos = [(si, t, up) for si in args.switch_intervals for t in args.mask_threads
-              for up in args.upload_thread]
+    combos = [(si, t, up, c) for si in args.switch_intervals for t in args.mask_threads
+              for up in args.upload_thread for c in args.cpus]
     executor = engine.engine_core.executor
     mask_thread_upload = executor.upload_bitmask
 
-    def configure(si, threads, upload="mask"):   # what the manager sets once a constrained
-        # request came; "engine": the mask thread hands back the host array and the
-        # engine thread uploads it as it launches the sampler.
+    every_cpu = sorted(os.sched_getaffinity(0))
+    low, high = set(every_cpu[:len(every_cpu) // 2]), set(every_cpu[len(every_cpu) // 2:])
+
+    def configure(si, threads, upload="mask", cpus="any"):   # what the manager sets once a
+        # constrained request came; upload "engine": the mask thread hands back the host
+        # array and the engine thread uploads it as it launches the sampler. cpus
+        # "masks": llguidance's threads on the upper half of the CPUs only; "split":
+        # those, and this (the engine) thread on the lower half.
         executor.upload_bitmask = mask_thread_upload if upload == "mask" else (lambda m: m)
         som.gil_switch_interval = si
         sys.setswitchinterval(si)
-        som.set_mask_threads(threads)
+        som.set_mask_threads(threads, None if cpus == "any" else high)
+        os.sched_setaffinity(0, low if cpus == "split" else set(every_cpu))
     # Host-bound runs drift by tens of percent within one process, so each figure is
     # the median over repeats of a ratio to the plain run just before it.
     for _ in range(args.repeat):
-        for si, threads, upload in combos:
-            configure(si, threads, upload)
-            key = f"{si * 1000:g}ms/{threads}t" + ("" if upload == "mask" else "/engine-upload")
+        for si, threads, upload, cpus in combos:
+            configure(si, threads, upload, cpus)
+            key = (f"{si * 1000:g}ms/{threads}t" + ("" if upload == "mask" else "/engine-upload")
+                   + ("" if cpus == "any" else f"/cpus-{cpus}"))
             t, outs = timed("plain", run, llm, prompts, [plain(i) for i in range(n)])
             plain_tps, plain_half = out_tokens(outs) / t, half_rate(outs, 0)
             mask0, wait0 = som.mask_seconds, som.mask_wait_seconds
@@ -290,7 +254,7 @@ def bench_engine(args) -> dict:
             _, outs = timed(f"mix {key}", run, llm, prompts, params)
             runs[key][-1]["mix_half_out_tok_s"] = half_rate(outs, 0)
             runs[key][-1]["mix_slowdown"] = 1 - half_rate(outs, 0) / plain_half
-            if (si, threads, upload) == combos[0]:
+            if (si, threads, upload, cpus) == combos[0]:
                 t, outs = run(llm, prompts, [constrained(i, SCHEMA_MAXLENGTH) for i in range(n)])
                 runs[key][-1]["maxlength_ratio"] = out_tokens(outs) / t / plain_tps
     res["all_runs"] = runs
@@ -345,9 +309,13 @@ def main():
     ap.add_argument("--upload-thread", type=lambda v: v.split(","), default=["mask"],
                     metavar="mask,engine", help="which thread copies the bitmask to the "
                     "device (default: the mask thread, as the engine does)")
+    ap.add_argument("--cpus", type=lambda v: v.split(","), default=["any"],
+                    metavar="any,masks,split", help="llguidance's threads on any CPU, on the "
+                    "upper half of them only, or there with the engine thread on the lower half")
     ap.add_argument("--phases", action="store_true",
                     help="per engine step of each run: wall and engine-thread CPU time, "
-                         "the step's host phases, the collector and the mask uploads")
+                         "the step's host phases, the collector, the mask uploads and the "
+                         "kernel's accounting of the engine thread and the CPUs (host_stats)")
     ap.add_argument("--mask-cost-only", action="store_true",
                     help="host cost of masks at vocab 49k (SmolLM2) and 152k (Qwen), no engine")
     args = ap.parse_args()
