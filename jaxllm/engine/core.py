@@ -148,8 +148,7 @@ class EngineCore:
             # Another request verifies drafts (one row per draft): the handle's rows.
             rows = som.constrained_rows(handle.scheduled, self.scheduler.requests)
         self._pending_mask = handle, som.start_bitmask(
-            rows, self.executor.sampler_rows(handle), self.executor.upload_bitmask,
-            self.executor.host_bitmask)
+            rows, self.executor.sampler_rows(handle), self.executor.upload_bitmask)
 
     def _finish_sampling(self, handle) -> None:
         """Launch the sampler of a step that waits for its grammar bitmask."""

@@ -124,15 +124,6 @@ class Executor:
     def sampler_rows(self, handle) -> int:
         return self.runner.sampler_rows(handle)
 
-    def host_bitmask(self, shape: tuple[int, int], pinned: bool = True):
-        """(writable host view, the buffer upload_bitmask takes) of a grammar bitmask,
-        all ones: in the device's pinned host memory on one device (bitmask_memory),
-        else NumPy (multi-host: the leader broadcasts it from the host)."""
-        if self.leader is not None:
-            array = np.full(shape, -1, np.int32)
-            return array, array
-        return self.runner.host_bitmask(shape, pinned)
-
     def upload_bitmask(self, bitmask):
         """On one process: the bitmask on the device (callable from any thread).
         Multi-host: left on the host, where it is broadcast to the followers."""

@@ -27,13 +27,13 @@ from jaxllm.engine.scheduler import KVCacheLostError
 from jaxllm.layers.attention import AttentionSpec
 from jaxllm.models.loader import LoadedModel
 from jaxllm.parallel import distributed, mesh as mesh_lib
-from jaxllm.runner import bitmask_memory, executable_store, input_batch, kv_cache, sampling_rows
+from jaxllm.runner import executable_store, input_batch, kv_cache, sampling_rows
 from jaxllm.runner.buckets import BucketPlan
 from jaxllm.runner.compilation import CompilationManager, Program, first_requests_only
 from jaxllm.runner.step_fn import dummy_arrays, step_compiler_options
 # Module names of their own: tests spy on them (one call is one trace).
 from jaxllm.runner.step_fn import forward as _forward, sample_into as _sample_into
-from jaxllm.runner.step_inputs import StepInputs
+from jaxllm.runner.step_inputs import StepInputs, put_replicated
 from jaxllm.runner.step_output import StepHandle, read_back, start_copies
 from jaxllm.runner.sampler import SamplerOutput, warm_up_variants
 from jaxllm.runner.sampling_rows import dummy_metadata
@@ -287,22 +287,22 @@ class ModelRunner:
     def sample_tokens(self, handle: StepHandle, grammar_bitmask) -> None:
         """Launch a step's sampler; grammar_bitmask: None, or i32[S, W] of the sampler's
         S rows, on the host (multi-host, where it was broadcast) or upload_bitmask's."""
-        (logits, md, flags), handle.pending = handle.pending, None
-        if grammar_bitmask is not None:
+        logits, md, flags = handle.pending
+        handle.pending = None
+        bitmask = grammar_bitmask
+        if bitmask is not None:
             flags = dataclasses.replace(flags, use_bitmask=True)
-            grammar_bitmask = self.upload_bitmask(grammar_bitmask)
-        handle.sampled = self.sample_step(logits, md, flags, grammar_bitmask)
+            if isinstance(bitmask, np.ndarray):
+                bitmask = self.upload_bitmask(bitmask)
+        handle.sampled = self.sample_step(logits, md, flags, bitmask)
         start_copies(handle)
 
     def sampler_rows(self, handle: StepHandle) -> int:   # S: the bitmask's height
         return handle.pending[0].shape[0]
 
-    def host_bitmask(self, shape: tuple[int, int], pinned: bool = True):
-        return bitmask_memory.host_bitmask(shape, self._replicated, pinned)
-
-    def upload_bitmask(self, bitmask):
-        """A host bitmask i32[S, W] (host_bitmask's buffer) on the device; any thread."""
-        return bitmask_memory.upload_bitmask(bitmask, self._replicated)
+    def upload_bitmask(self, bitmask: np.ndarray):
+        """A host bitmask i32[S, W] on the device (callable from any thread)."""
+        return put_replicated(bitmask, self._replicated)
 
     def get_output(self, handle: StepHandle):
         """Wait for a launched step: (id -> SampleResult, id -> prompt logprob rows)."""

@@ -51,36 +51,24 @@ class MaskBuffers:
     taken again two masks of its height later, when the engine has read back the
     step that used it, so its upload has reached the device; rows it filled then
     and does not fill now go back to all ones, the rows filled now are written
-    whole by llguidance. `allocate(shape, pinned)` gives (writable view, buffer to
-    upload): the executor's host_bitmask, whose pinned buffers the device copies
-    from directly."""
+    whole by llguidance."""
 
     def __init__(self, width: int):
         self.width = width
-        self._slots: dict[tuple, list] = {}     # (height, pinned) -> [[view, buffer, rows]] * 2
+        self._slots: dict[int, list] = {}     # height -> [[buffer, rows filled]] * 2
 
-    def take(self, height: int, rows: list[int], allocate=None, pinned: bool = True):
-        """(view, buffer) of a bitmask of `height` rows, all ones but for `rows`' last
-        contents (llguidance overwrites them)."""
-        key = height, pinned and allocate is not None
-        slot = self._slots.get(key)
+    def take(self, height: int, rows: list[int]) -> np.ndarray:
+        slot = self._slots.get(height)
         if slot is None:
-            shape = (height, self.width)
-            slot = self._slots[key] = [
-                [*(allocate(shape, pinned) if allocate else _numpy_bitmask(shape)), []]
-                for _ in range(2)]
+            slot = self._slots[height] = [
+                [np.full((height, self.width), -1, np.int32), []] for _ in range(2)]
         slot.reverse()
         entry = slot[0]
-        stale = set(entry[2]).difference(rows)
+        stale = set(entry[1]).difference(rows)
         if stale:
             entry[0][sorted(stale)] = -1
-        entry[2] = rows
-        return entry[0], entry[1]
-
-
-def _numpy_bitmask(shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
-    array = np.full(shape, -1, np.int32)
-    return array, array
+        entry[1] = rows
+        return entry[0]
 
 
 class StructuredOutputManager:
@@ -109,9 +97,6 @@ class StructuredOutputManager:
         self.mask_seconds = 0.0
         self.mask_wait_seconds = 0.0      # the engine thread blocked on a bitmask
         self.gil_switch_interval = GIL_SWITCH_INTERVAL_S
-        # Masks written straight into the device's pinned host memory where the
-        # executor offers it (see runner/bitmask_memory.py); benchmarks turn it off.
-        self.pinned_bitmask = True
         self.num_compiled = 0
 
     def validate(self, params) -> None:
@@ -199,19 +184,15 @@ class StructuredOutputManager:
                     rows.append((i, r.request_id, grammar))
         return rows
 
-    def start_bitmask(self, rows: list[tuple], height: int, upload,
-                      allocate=None) -> Future:
+    def start_bitmask(self, rows: list[tuple], height: int, upload) -> Future:
         """The step's grammar bitmask i32[height, W] (height >= the scheduled rows;
         rows not in `rows` (constrained_rows'), and rows whose grammar failed, all
-        ones), computed on the mask thread, then `upload(buffer)`'s result (the device
-        copy); buffers from `allocate(shape, pinned)` (the executor's host_bitmask),
-        else NumPy. The rows' matchers are taken now; none may advance until the
-        result is read, and the upload must have reached the device before the step
-        after next starts its masks (the engine reads each step back before that)."""
+        ones), computed on the mask thread, then `upload(mask)`'s result (the device
+        copy). The rows' matchers are taken now; none may advance until the result
+        is read, and the upload must have reached the device before the step after
+        next starts its masks (the engine reads each step back before that)."""
         pairs = [(grammar.matcher, i) for i, _, grammar in rows if grammar.error is None]
-        view, buffer = self._buffers.take(height, [i for _, i in pairs], allocate,
-                                          self.pinned_bitmask)
-        return self._mask_pool.submit(lambda: upload(self._fill(pairs, view, buffer)))
+        return self._mask_pool.submit(lambda: upload(self._fill(pairs, height)))
 
     def bitmask(self, future: Future):
         """A started bitmask's result (the engine thread waits for it)."""
@@ -247,12 +228,13 @@ class StructuredOutputManager:
             self._filler = backend_guidance.MaskFiller(self._num_threads)
         return self._filler
 
-    def _fill(self, pairs: list[tuple], view: np.ndarray, buffer):
+    def _fill(self, pairs: list[tuple], height: int) -> np.ndarray:
         t0 = time.perf_counter()
+        mask = self._buffers.take(height, [i for _, i in pairs])
         if pairs:
-            self._mask_filler().fill(pairs, view)
+            self._mask_filler().fill(pairs, mask)
         self.mask_seconds += time.perf_counter() - t0
-        return buffer
+        return mask
 
     def wait_for_grammars(self, timeout: float) -> None:
         """Block up to `timeout` s for a compiling grammar (when nothing else runs)."""
