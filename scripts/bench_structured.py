@@ -212,15 +212,19 @@ def bench_engine(args) -> dict:
         out = fn(*a, started=lambda: before.update(phases.snapshot()))
         phases_by_run.setdefault(label, []).append(StepPhases.per_step(before, phases.snapshot()))
         return out
-    combos = [(si, t, up, c) for si in args.switch_intervals for t in args.mask_threads
-              for up in args.upload_thread for c in args.cpus]
+    combos = [(si, t, up, c, a) for si in args.switch_intervals for t in args.mask_threads
+              for up in args.upload_thread for c in args.cpus for a in args.accept_rows]
     executor = engine.engine_core.executor
     mask_thread_upload = executor.upload_bitmask
 
     every_cpu = sorted(os.sched_getaffinity(0))
     low, high = set(every_cpu[:len(every_cpu) // 2]), set(every_cpu[len(every_cpu) // 2:])
 
-    def configure(si, threads, upload="mask", cpus="any"):   # what the manager sets once a
+    from jaxllm.structured_output import manager as manager_module
+    default_accept = manager_module.PARALLEL_ACCEPT_ROWS
+
+    def configure(si, threads, upload="mask", cpus="any", accept_rows=None):   # what the
+        # manager sets once a
         # constrained request came; upload "engine": the mask thread hands back the host
         # array and the engine thread uploads it as it launches the sampler. cpus
         # "masks": llguidance's threads on the upper half of the CPUs only; "split":
@@ -230,13 +234,16 @@ def bench_engine(args) -> dict:
         sys.setswitchinterval(si)
         som.set_mask_threads(threads, None if cpus == "any" else high)
         os.sched_setaffinity(0, low if cpus == "split" else set(every_cpu))
+        manager_module.PARALLEL_ACCEPT_ROWS = accept_rows
     # Host-bound runs drift by tens of percent within one process, so each figure is
     # the median over repeats of a ratio to the plain run just before it.
     for _ in range(args.repeat):
-        for si, threads, upload, cpus in combos:
-            configure(si, threads, upload, cpus)
+        for combo in combos:
+            si, threads, upload, cpus, accept_rows = combo
+            configure(*combo)
             key = (f"{si * 1000:g}ms/{threads}t" + ("" if upload == "mask" else "/engine-upload")
-                   + ("" if cpus == "any" else f"/cpus-{cpus}"))
+                   + ("" if cpus == "any" else f"/cpus-{cpus}")
+                   + ("" if accept_rows == default_accept else f"/accept-from-{accept_rows}"))
             t, outs = timed("plain", run, llm, prompts, [plain(i) for i in range(n)])
             plain_tps, plain_half = out_tokens(outs) / t, half_rate(outs, 0)
             mask0, wait0 = som.mask_seconds, som.mask_wait_seconds
@@ -258,7 +265,7 @@ def bench_engine(args) -> dict:
             _, outs = timed(f"mix {key}", run, llm, prompts, params)
             runs[key][-1]["mix_half_out_tok_s"] = half_rate(outs, 0)
             runs[key][-1]["mix_slowdown"] = 1 - half_rate(outs, 0) / plain_half
-            if (si, threads, upload, cpus) == combos[0]:
+            if combo == combos[0]:
                 t, outs = run(llm, prompts, [constrained(i, SCHEMA_MAXLENGTH) for i in range(n)])
                 runs[key][-1]["maxlength_ratio"] = out_tokens(outs) / t / plain_tps
     res["all_runs"] = runs
@@ -316,6 +323,10 @@ def main():
     ap.add_argument("--cpus", type=lambda v: v.split(","), default=["any"],
                     metavar="any,masks,split", help="llguidance's threads on any CPU, on the "
                     "upper half of them only, or there with the engine thread on the lower half")
+    ap.add_argument("--accept-rows", type=lambda v: [int(x) for x in v.split(",")],
+                    default=None, metavar="N,N", help="the rows from which a step's tokens "
+                    "advance their matchers in one parallel llguidance call (default: the "
+                    "manager's PARALLEL_ACCEPT_ROWS); fewer, one by one on the engine thread")
     ap.add_argument("--phases", action="store_true",
                     help="per engine step of each run: wall and engine-thread CPU time, "
                          "the step's host phases, the collector, the mask uploads and the "
@@ -326,6 +337,9 @@ def main():
     if args.switch_intervals is None:
         from jaxllm.structured_output.manager import GIL_SWITCH_INTERVAL_S
         args.switch_intervals = [GIL_SWITCH_INTERVAL_S]
+    if args.accept_rows is None:
+        from jaxllm.structured_output.manager import PARALLEL_ACCEPT_ROWS
+        args.accept_rows = [PARALLEL_ACCEPT_ROWS]
     if args.mask_threads is None:
         from jaxllm.structured_output.manager import mask_threads
         args.mask_threads = [mask_threads()]
