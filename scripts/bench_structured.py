@@ -212,37 +212,29 @@ def bench_engine(args) -> dict:
         out = fn(*a, started=lambda: before.update(phases.snapshot()))
         phases_by_run.setdefault(label, []).append(StepPhases.per_step(before, phases.snapshot()))
         return out
-    combos = [(si, t, up, c, a) for si in args.switch_intervals for t in args.mask_threads
-              for up in args.upload_thread for c in args.cpus for a in args.accept_rows]
+    combos = [(si, t, up, a) for si in args.switch_intervals for t in args.mask_threads
+              for up in args.upload_thread for a in args.accept_rows]
     executor = engine.engine_core.executor
     mask_thread_upload = executor.upload_bitmask
-
-    every_cpu = sorted(os.sched_getaffinity(0))
-    low, high = set(every_cpu[:len(every_cpu) // 2]), set(every_cpu[len(every_cpu) // 2:])
-
     from jaxllm.structured_output import manager as manager_module
     default_accept = manager_module.PARALLEL_ACCEPT_ROWS
 
-    def configure(si, threads, upload="mask", cpus="any", accept_rows=None):   # what the
-        # manager sets once a
-        # constrained request came; upload "engine": the mask thread hands back the host
-        # array and the engine thread uploads it as it launches the sampler. cpus
-        # "masks": llguidance's threads on the upper half of the CPUs only; "split":
-        # those, and this (the engine) thread on the lower half.
+    def configure(si, threads, upload="mask", accept_rows=default_accept):   # what the
+        # manager sets once a constrained request came; upload "engine": the mask thread
+        # hands back the host array and the engine thread uploads it as it launches the
+        # sampler; accept_rows: the manager's PARALLEL_ACCEPT_ROWS.
         executor.upload_bitmask = mask_thread_upload if upload == "mask" else (lambda m: m)
         som.gil_switch_interval = si
         sys.setswitchinterval(si)
-        som.set_mask_threads(threads, None if cpus == "any" else high)
-        os.sched_setaffinity(0, low if cpus == "split" else set(every_cpu))
+        som.set_mask_threads(threads)
         manager_module.PARALLEL_ACCEPT_ROWS = accept_rows
     # Host-bound runs drift by tens of percent within one process, so each figure is
     # the median over repeats of a ratio to the plain run just before it.
     for _ in range(args.repeat):
         for combo in combos:
-            si, threads, upload, cpus, accept_rows = combo
+            si, threads, upload, accept_rows = combo
             configure(*combo)
             key = (f"{si * 1000:g}ms/{threads}t" + ("" if upload == "mask" else "/engine-upload")
-                   + ("" if cpus == "any" else f"/cpus-{cpus}")
                    + ("" if accept_rows == default_accept else f"/accept-from-{accept_rows}"))
             t, outs = timed("plain", run, llm, prompts, [plain(i) for i in range(n)])
             plain_tps, plain_half = out_tokens(outs) / t, half_rate(outs, 0)
@@ -320,9 +312,6 @@ def main():
     ap.add_argument("--upload-thread", type=lambda v: v.split(","), default=["mask"],
                     metavar="mask,engine", help="which thread copies the bitmask to the "
                     "device (default: the mask thread, as the engine does)")
-    ap.add_argument("--cpus", type=lambda v: v.split(","), default=["any"],
-                    metavar="any,masks,split", help="llguidance's threads on any CPU, on the "
-                    "upper half of them only, or there with the engine thread on the lower half")
     ap.add_argument("--accept-rows", type=lambda v: [int(x) for x in v.split(",")],
                     default=None, metavar="N,N", help="the rows from which a step's tokens "
                     "advance their matchers in one parallel llguidance call (default: the "

@@ -11,7 +11,6 @@ at the Qwen vocabulary.
 from __future__ import annotations
 
 import json
-import os
 
 import llguidance
 import llguidance.numpy
@@ -111,13 +110,9 @@ class MaskFiller:
     interval, 2 cores). Rows must not share a compiled grammar's lexer (see
     StructuredOutputManager.new_request) or they serialize on its lock."""
 
-    def __init__(self, threads: int, cpus: set[int] | None = None):
+    def __init__(self, threads: int):
         self.threads = max(1, threads)
-        self.cpus = cpus
-        if cpus is None:
-            self.executor = llguidance.LLExecutor(self.threads)
-        else:
-            self.executor = _on_cpus(cpus, lambda: llguidance.LLExecutor(self.threads))
+        self.executor = llguidance.LLExecutor(self.threads)
 
     def fill(self, rows: list[tuple], bitmask: np.ndarray) -> None:
         """Each (matcher, row)'s allowed next tokens into bitmask i32[S, W]."""
@@ -128,21 +123,3 @@ class MaskFiller:
         """Each (matcher, token): the matcher advanced by the token; whether it was
         allowed (a rejected one leaves its matcher in an error state)."""
         return self.executor.consume_token_par(pairs)
-
-
-def _on_cpus(cpus: set[int], make):
-    """make()'s result, called on a short-lived thread allowed only `cpus`: the threads
-    it starts (llguidance's Rust workers, started by LLExecutor) inherit that set, and
-    the calling thread's own set stays as it was (Linux sets it per thread)."""
-    import threading
-    box: list = []
-
-    def run():
-        os.sched_setaffinity(0, cpus)
-        box.append(make())
-    t = threading.Thread(target=run, name="jaxllm-mask-cpus")
-    t.start()
-    t.join()
-    if not box:
-        raise RuntimeError(f"could not start the mask threads on CPUs {sorted(cpus)}")
-    return box[0]

@@ -120,12 +120,10 @@ class StructuredOutputManager:
             while len(self._validated) > MAX_CACHED_GRAMMARS:
                 self._validated.popitem(last=False)
 
-    def set_mask_threads(self, threads: int, cpus: set[int] | None = None) -> None:
-        """Compute the masks on this many llguidance threads from now on, allowed only
-        `cpus` when given (benchmarks)."""
-        f = self._filler
-        if f is None or f.threads != threads or f.cpus != cpus:
-            self._filler = backend_guidance.MaskFiller(threads, cpus)
+    def set_mask_threads(self, threads: int) -> None:
+        """Compute the masks on this many llguidance threads from now on (benchmarks)."""
+        if self._filler is None or self._filler.threads != threads:
+            self._filler = backend_guidance.MaskFiller(threads)
 
     def set_tokenizer(self, lltokenizer) -> None:
         """Use this llguidance tokenizer instead (benchmarks on a dummy-weight folder,

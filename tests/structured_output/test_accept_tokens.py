@@ -4,7 +4,6 @@ request where accepting one by one does, a rejected token included), the reused 
 buffers, and validation once per constraint."""
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
@@ -97,36 +96,3 @@ def test_a_constraint_is_validated_once(monkeypatch):
     finally:
         manager.shutdown()
 
-
-def _threads() -> dict[str, str]:
-    """This process's threads: id -> the CPUs it may run on."""
-    out = {}
-    for tid in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{tid}/status") as f:
-            out[tid] = next(line.split()[1] for line in f
-                            if line.startswith("Cpus_allowed_list"))
-    return out
-
-
-def test_mask_threads_start_on_the_given_cpus():
-    from jaxllm.structured_output.backend_guidance import MaskFiller
-    cpu = max(os.sched_getaffinity(0))
-    mine = os.sched_getaffinity(0)
-    before = _threads()
-    filler = MaskFiller(2, {cpu})
-    new = {t: c for t, c in _threads().items() if t not in before}
-    assert len(new) >= 2 and set(new.values()) == {str(cpu)}
-    assert os.sched_getaffinity(0) == mine          # the caller's own set is untouched
-    tok = get_tokenizer(None)
-    manager = StructuredOutputManager(tok, len(tok), tok.eos_token_id)
-    try:
-        manager.set_mask_threads(2, {cpu})
-        (grammar,) = _ready(manager, 1, "ab+c")
-        a = tok.convert_tokens_to_ids("a")
-        mask = manager._fill([(grammar.matcher, 0)], 1)
-        allowed = [v for v in range(len(tok)) if mask[0, v // 32] >> (v % 32) & 1]
-        assert a in allowed and all(tok.convert_ids_to_tokens(v).startswith("a")
-                                    for v in allowed)      # "a", "ab", ...: all of ab+c
-    finally:
-        manager.shutdown()
-    assert filler.cpus == {cpu}
