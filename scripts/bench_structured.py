@@ -288,6 +288,14 @@ def bench_engine(args) -> dict:
                             "new_schema": [round(1000 * x, 2) for x in ttft_new]},
                grammars_compiled=som.num_compiled,
                grammar_compile_ms_mean=1000 * som.compile_seconds / max(som.num_compiled, 1))
+    if args.device_trace:       # device kernel time and idle per engine step, by kind of run
+        from step_profile import profile_engine
+        configure(*combos[0])
+        mix = [constrained(i) if i % 2 else plain(i) for i in range(n)]
+        res["device_trace"] = {
+            label: profile_engine(llm, prompts, p, args.max_tokens, top=8) for label, p in
+            (("plain", [plain(i) for i in range(n)]),
+             ("constrained", [constrained(i) for i in range(n)]), ("mix", mix))}
     res["sampler_cost"] = sampler_cost(n, vocab)
     res["mask_cost"] = mask_cost(lltok)
     res["mask_cost_maxlength"] = mask_cost(lltok, schema=SCHEMA_MAXLENGTH)
@@ -316,6 +324,9 @@ def main():
                     default=None, metavar="N,N", help="the rows from which a step's tokens "
                     "advance their matchers in one parallel llguidance call (default: the "
                     "manager's PARALLEL_ACCEPT_ROWS); fewer, one by one on the engine thread")
+    ap.add_argument("--device-trace", action="store_true",
+                    help="after the timed runs, a profiler trace of one plain, one constrained "
+                         "and one mix run: device kernel time and span per engine step")
     ap.add_argument("--phases", action="store_true",
                     help="per engine step of each run: wall and engine-thread CPU time, "
                          "the step's host phases, the collector, the mask uploads and the "
@@ -358,6 +369,8 @@ def main():
     for label, rs in res.get("phases", {}).items():
         for r in rs:
             print(f"{label}: " + ", ".join(f"{k.removesuffix('_ms')} {v:g}" for k, v in r.items()))
+    for label, t in res.get("device_trace", {}).items():
+        print(f"device trace, {label}: " + json.dumps(t))
     if "sampler_cost" in res:
         c = res["sampler_cost"]
         print(f"sampler alone at {res['num']} rows: {c['sampler_plain_ms']:.3f} ms, with a "
