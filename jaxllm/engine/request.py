@@ -29,15 +29,23 @@ class RequestStatus(enum.Enum):
 
     @staticmethod
     def is_finished(status: RequestStatus) -> bool:
-        # Identity tests: hashing an Enum member runs Python code, and this is asked
-        # for every request on every step.
-        return (status is RequestStatus.FINISHED_STOPPED
-                or status is RequestStatus.FINISHED_LENGTH_CAPPED
-                or status is RequestStatus.FINISHED_ABORTED)
+        return _is_finished(status)
 
     @staticmethod
     def get_finished_reason(status: RequestStatus) -> str | None:
-        return _FINISH_REASONS.get(status)
+        return _finished_reason(status)
+
+
+# The finished members under module names. Asked for every request on every step, so
+# identity tests against globals: hashing an Enum member runs Python code, and reading
+# RequestStatus.X goes through the enum's metaclass (each ~10x a global's read).
+_STOPPED, _LENGTH_CAPPED, _ABORTED = (RequestStatus.FINISHED_STOPPED,
+                                      RequestStatus.FINISHED_LENGTH_CAPPED,
+                                      RequestStatus.FINISHED_ABORTED)
+
+
+def _is_finished(status: RequestStatus) -> bool:
+    return status is _STOPPED or status is _LENGTH_CAPPED or status is _ABORTED
 
 
 # The strings are OpenAI's `finish_reason` values.
@@ -46,6 +54,11 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
 }
+
+
+def _finished_reason(status: RequestStatus) -> str | None:
+    # The dict only for a finished one (hashing a member is the slow part).
+    return _FINISH_REASONS[status] if _is_finished(status) else None
 
 
 class Request:
@@ -82,8 +95,10 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.output_token_ids: list[int] = []
-        # Kept as one list so all_token_ids is O(1); extended by append_output_token.
-        self._all_token_ids: list[int] = list(self.prompt_token_ids)
+        # Prompt then outputs, kept as one list (extended by append_output_token).
+        # Read-only for everyone else. A plain attribute, not a property: the scheduler
+        # reads it (and len() of it) for every request on every step.
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
         # Tokens whose KV is computed or being computed by a launched step: advanced
         # when a step is scheduled (vLLM v1), so the next step can be scheduled while
         # this one runs.
@@ -105,13 +120,8 @@ class Request:
         self.structured_output_request: Any = None
 
     @property
-    def all_token_ids(self) -> list[int]:
-        """Prompt then outputs. Read-only view: do not mutate."""
-        return self._all_token_ids
-
-    @property
     def num_tokens(self) -> int:
-        return len(self._all_token_ids)
+        return len(self.all_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -127,7 +137,7 @@ class Request:
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
-        self._all_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
 
     def truncate_output(self, num_output_tokens: int) -> None:
         """Drop the outputs after the first `num_output_tokens` (a stop string ended
@@ -135,13 +145,13 @@ class Request:
         extra = self.num_output_tokens - num_output_tokens
         if extra > 0:
             del self.output_token_ids[num_output_tokens:]
-            del self._all_token_ids[len(self._all_token_ids) - extra:]
+            del self.all_token_ids[len(self.all_token_ids) - extra:]
 
     def is_finished(self) -> bool:
-        return RequestStatus.is_finished(self.status)
+        return _is_finished(self.status)
 
     def get_finished_reason(self) -> str | None:
-        return RequestStatus.get_finished_reason(self.status)
+        return _finished_reason(self.status)
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, status={self.status.name}, "
