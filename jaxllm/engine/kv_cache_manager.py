@@ -87,7 +87,7 @@ class KVCacheManager:
     def cache_blocks(self, req: Request) -> None:
         """Register the request's newly computed full blocks."""
         # Known tokens only: a block's last token may still be in flight.
-        num_done = min(req.num_computed_tokens, req.num_tokens)
+        num_done = min(req.num_computed_tokens, len(req.all_token_ids))
         refs = self.req_refs.get(req.request_id)
         if refs is not None and len(refs) >= num_done // self.block_size:
             return    # no new full block (most steps)
@@ -117,7 +117,7 @@ class KVCacheManager:
         All or nothing: returns False, changing nothing, when blocks run short.
         """
         pool = self.block_pool
-        blocks = self.req_blocks.get(req.request_id, [])
+        blocks = self.req_blocks.get(req.request_id, ())
         if hit is None and (req.num_computed_tokens + num_new_tokens
                             <= len(blocks) * self.block_size):
             return True    # the common decode step: the last block has room
@@ -129,7 +129,7 @@ class KVCacheManager:
         if num_needed + num_evictable_hits > pool.get_num_free_blocks():
             return False
         pool.touch(hit_ids)
-        blocks = self.req_blocks.setdefault(req.request_id, blocks)
+        blocks = self.req_blocks.setdefault(req.request_id, [])
         blocks.extend(hit_ids)
         blocks.extend(pool.get_new_blocks(num_needed))
         if hit is not None:

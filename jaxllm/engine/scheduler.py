@@ -360,7 +360,7 @@ class Scheduler:
         start = request.num_computed_tokens
         end = start + num_new
         all_ids, pending = request.all_token_ids, request.num_output_placeholders
-        num_tokens, spec = len(all_ids), list(spec)
+        num_tokens, spec = len(all_ids), list(spec) if spec else []
         # Behind an async step a decode row knows none of its tokens: built unsliced.
         token_ids = [PLACEHOLDER_TOKEN_ID] * num_new if start >= num_tokens else (
             all_ids[start:min(end, num_tokens)] + [PLACEHOLDER_TOKEN_ID] * max(end - num_tokens, 0))
@@ -368,7 +368,7 @@ class Scheduler:
         out.scheduled.append(ScheduledRequest(
             request.request_id, token_ids + spec if spec else token_ids, start,
             self.kv_cache_manager.get_block_table(request), do_sample,
-            request.num_output_tokens + pending, spec, request.serial))
+            len(request.output_token_ids) + pending, spec, request.serial))
         out.num_batched_tokens += num_new + len(spec)
         # Drafts count as computed until update_from_output rejects some; cache_blocks
         # only registers blocks of known tokens, never a draft.
@@ -397,4 +397,4 @@ class Scheduler:
 
 def _num_wanted(request: Request) -> int:
     """Tokens the request still needs computed, a pending output included."""
-    return request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
+    return len(request.all_token_ids) + request.num_output_placeholders - request.num_computed_tokens

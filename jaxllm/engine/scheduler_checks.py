@@ -58,15 +58,17 @@ def validate_args(block_size: int, num_gpu_blocks: int, num_cpu_blocks: int, max
 def check_stop(request: Request, max_model_len: int) -> bool:
     """vLLM v1 order: length cap, then (after min_tokens) EOS and stop_token_ids, then a
     completed grammar. Sets the request's finished status and stop_reason."""
-    params = request.sampling_params
-    max_tokens = request.max_tokens
-    if request.num_tokens >= max_model_len or (
-            max_tokens is not None and request.num_output_tokens >= max_tokens):
+    # Lists and lengths read once, not through Request's properties: this runs for
+    # every sampled token.
+    params, outputs = request.sampling_params, request.output_token_ids
+    num_outputs, max_tokens = len(outputs), request.max_tokens
+    if len(request.all_token_ids) >= max_model_len or (
+            max_tokens is not None and num_outputs >= max_tokens):
         request.status = RequestStatus.FINISHED_LENGTH_CAPPED
         return True
-    if request.num_output_tokens < (getattr(params, "min_tokens", 0) or 0):
+    if num_outputs < (getattr(params, "min_tokens", 0) or 0):
         return False
-    last = request.output_token_ids[-1]
+    last = outputs[-1]
     if (not getattr(params, "ignore_eos", False) and request.eos_token_id is not None
             and last == request.eos_token_id):
         request.status = RequestStatus.FINISHED_STOPPED
@@ -85,10 +87,11 @@ def check_stop(request: Request, max_model_len: int) -> bool:
 def append_tokens(request: Request, tokens, max_model_len: int) -> bool:
     """Append a step's tokens up to the first that ends the request; True if one did.
     A list of tokens (speculation) is cut to those appended: the caller reads it back."""
+    grammar = request.structured_output_request
     for n, token in enumerate(tokens, 1):
         request.append_output_token(token)
-        if request.structured_output_request is not None:
-            request.structured_output_request.accept(token)
+        if grammar is not None:
+            grammar.accept(token)
         if check_stop(request, max_model_len):
             if isinstance(tokens, list):
                 del tokens[n:]
@@ -102,8 +105,8 @@ def reaches_length_cap(request: Request, max_model_len: int) -> bool:
     if not pending:
         return False
     max_tokens = request.max_tokens
-    return request.num_tokens + pending >= max_model_len or (
-        max_tokens is not None and request.num_output_tokens + pending >= max_tokens)
+    return len(request.all_token_ids) + pending >= max_model_len or (
+        max_tokens is not None and len(request.output_token_ids) + pending >= max_tokens)
 
 
 def spec_tokens_to_verify(request: Request, num_new: int, budget: int,
