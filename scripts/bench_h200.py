@@ -108,8 +108,7 @@ def host_timing(llm, prompts, params) -> dict:
     dispatch), waiting for the step read back, and the rest of the step."""
     engine, runner = llm.llm_engine, llm.llm_engine.runner
     spans = {"launch": [], "wait": [], "step": [], "model_dispatch": [], "sample_dispatch": []}
-    real = (runner.execute_model, runner.get_output, engine.step, runner.launch_packed,
-            runner.sample_step)
+    real = runner.execute_model, runner.get_output, engine.step, runner.launch_step, runner.sample_step
 
     def timed(name, fn):
         def call(*a, **k):
@@ -121,12 +120,12 @@ def host_timing(llm, prompts, params) -> dict:
         return call
     runner.execute_model, runner.get_output = timed("launch", real[0]), timed("wait", real[1])
     engine.step = timed("step", real[2])
-    runner.launch_packed = timed("model_dispatch", real[3])    # on the launcher's thread
+    runner.launch_step = timed("model_dispatch", real[3])
     runner.sample_step = timed("sample_dispatch", real[4])
     try:
         llm.generate(prompts, params, use_tqdm=False)
     finally:
-        (runner.execute_model, runner.get_output, engine.step, runner.launch_packed,
+        (runner.execute_model, runner.get_output, engine.step, runner.launch_step,
          runner.sample_step) = real
     return {k: round(1000 * statistics.mean(v), 4) for k, v in spans.items() if v}
 

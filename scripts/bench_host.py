@@ -37,8 +37,8 @@ TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_siz
 
 
 class FakeDevice:
-    """The runner's device launches replaced: the model step (`launch_packed`, on inputs
-    the runner packed and uploaded for real) takes device_ms on a stream that runs
+    """The runner's device launches replaced: the model step (`launch_step`) packs and
+    uploads its inputs as the real one does and takes device_ms on a stream that runs
     steps in order, like a GPU's; the sampler (`sample_step`) makes up a token per row,
     for a constrained row one its grammar bitmask allows (chosen at random, as a model
     with dummy weights samples). So everything else of a step runs for real on the
@@ -55,19 +55,15 @@ class FakeDevice:
         self.fake_s = 0.0
         self.rng = np.random.default_rng(0)
         runner.launch_step, runner.sample_step = self.launch_step, self.sample_step
-        runner.launch_packed, runner.get_output = self.launch_packed, self.get_output
+        runner.get_output = self.get_output
 
     def launch_step(self, arrays: dict, decode_only: bool, prompt_targets=None):
         from jaxllm.runner.step_inputs import StepInputs
-        inputs = StepInputs.pack(arrays, decode_only, None)   # the host-to-device copy
-        logits = self.launch_packed(inputs)
-        return logits if prompt_targets is None else (logits, None)
-
-    def launch_packed(self, inputs):
-        """The model step on inputs the runner packed (and copied) already."""
+        StepInputs.pack(arrays, decode_only, None)           # the host-to-device copy
         self.free = max(time.perf_counter(), self.free) + self.device_ms / 1000
         self.done.append(self.free)
-        return np.empty((inputs.num_seqs, 0), np.float32)      # only .shape is read
+        logits = np.empty((len(arrays["seq_lens"]), 0), np.float32)   # only .shape is read
+        return logits if prompt_targets is None else (logits, None)
 
     def sample_step(self, logits, md, flags, bitmask=None):
         import jax
@@ -189,8 +185,7 @@ def request_params(args, kind) -> list:
 
 PHASES = (("scheduler", "schedule"), ("scheduler", "update_from_output"),
           ("runner", "prepare_inputs"), ("runner", "_sampling_metadata"),
-          ("runner", "pack_inputs"), ("runner", "launch_packed"), ("runner", "sample_step"),
-          ("runner", "get_output"),
+          ("runner", "launch_step"), ("runner", "sample_step"), ("runner", "get_output"),
           ("output_processor", "process_outputs"), ("structured", "constrained_rows"),
           ("structured", "start_bitmask"), ("structured", "bitmask"),
           ("structured", "accept_tokens"))

@@ -37,7 +37,7 @@ sys.path.insert(0, HERE)
 
 from bench_h200 import random_prompts, timed_generate  # noqa: E402
 
-PHASES = ("prepare_inputs", "_sampling_metadata", "launch_packed", "sample_step", "get_output")
+PHASES = ("prepare_inputs", "_sampling_metadata", "launch_step", "sample_step", "get_output")
 
 
 def time_phases(runner) -> dict:
