@@ -212,36 +212,30 @@ def bench_engine(args) -> dict:
         out = fn(*a, started=lambda: before.update(phases.snapshot()))
         phases_by_run.setdefault(label, []).append(StepPhases.per_step(before, phases.snapshot()))
         return out
-    combos = [(si, t, up, a, lt) for si in args.switch_intervals for t in args.mask_threads
-              for up in args.upload_thread for a in args.accept_rows
-              for lt in args.launch_thread]
+    combos = [(si, t, up, a) for si in args.switch_intervals for t in args.mask_threads
+              for up in args.upload_thread for a in args.accept_rows]
     executor = engine.engine_core.executor
     mask_thread_upload = executor.upload_bitmask
     from jaxllm.structured_output import manager as manager_module
     default_accept = manager_module.PARALLEL_ACCEPT_ROWS
-    from jaxllm.runner.launcher import Launcher
-    runner, launcher = executor.runner, executor.runner.launcher
 
-    def configure(si, threads, upload="mask", accept_rows=default_accept, launch="on"):
-        # What the manager sets once a constrained request came; upload "engine": the
-        # mask thread hands back the host array and the engine thread uploads it as it
-        # launches the sampler; accept_rows: the manager's PARALLEL_ACCEPT_ROWS; launch
-        # "off": steps launched by the engine thread (JAXLLM_LAUNCH_THREAD=0).
+    def configure(si, threads, upload="mask", accept_rows=default_accept):   # what the
+        # manager sets once a constrained request came; upload "engine": the mask thread
+        # hands back the host array and the engine thread uploads it as it launches the
+        # sampler; accept_rows: the manager's PARALLEL_ACCEPT_ROWS.
         executor.upload_bitmask = mask_thread_upload if upload == "mask" else (lambda m: m)
         som.gil_switch_interval = si
         sys.setswitchinterval(si)
         som.set_mask_threads(threads)
         manager_module.PARALLEL_ACCEPT_ROWS = accept_rows
-        runner.launcher = (launcher or Launcher()) if launch == "on" else None
     # Host-bound runs drift by tens of percent within one process, so each figure is
     # the median over repeats of a ratio to the plain run just before it.
     for _ in range(args.repeat):
         for combo in combos:
-            si, threads, upload, accept_rows, launch = combo
+            si, threads, upload, accept_rows = combo
             configure(*combo)
             key = (f"{si * 1000:g}ms/{threads}t" + ("" if upload == "mask" else "/engine-upload")
-                   + ("" if accept_rows == default_accept else f"/accept-from-{accept_rows}")
-                   + ("" if launch == "on" else "/no-launch-thread"))
+                   + ("" if accept_rows == default_accept else f"/accept-from-{accept_rows}"))
             t, outs = timed("plain", run, llm, prompts, [plain(i) for i in range(n)])
             plain_tps, plain_half = out_tokens(outs) / t, half_rate(outs, 0)
             mask0, wait0 = som.mask_seconds, som.mask_wait_seconds
@@ -330,9 +324,6 @@ def main():
                     default=None, metavar="N,N", help="the rows from which a step's tokens "
                     "advance their matchers in one parallel llguidance call (default: the "
                     "manager's PARALLEL_ACCEPT_ROWS); fewer, one by one on the engine thread")
-    ap.add_argument("--launch-thread", type=lambda v: v.split(","), default=["on"],
-                    metavar="on,off", help="steps launched on the runner's launcher thread "
-                    "(the engine's way on one process) or by the engine thread")
     ap.add_argument("--device-trace", action="store_true",
                     help="after the timed runs, a profiler trace of one plain, one constrained "
                          "and one mix run: device kernel time and span per engine step")

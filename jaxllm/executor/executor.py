@@ -8,10 +8,8 @@ drive the same public execute_model as the leader (parallel/distributed.py).
 from __future__ import annotations
 
 import logging
-import os
 import time
 
-import jax
 import numpy as np
 
 from jaxllm.config import (EngineConfig, check_against_model, check_device_count,
@@ -21,7 +19,6 @@ from jaxllm.config import (EngineConfig, check_against_model, check_device_count
 # were 2-3 s slower on the H200 host than alone.
 from jaxllm.models.loader import load_model
 from jaxllm.parallel import distributed, mesh as mesh_lib
-from jaxllm.runner.launcher import Launcher
 from jaxllm.runner.model_runner import ModelRunner
 from jaxllm.spec_decode.proposers import build_proposer, target_hidden_layers
 
@@ -56,12 +53,6 @@ class Executor:
         # EAGLE head's pool, of the target's block count, shares the memory.
         self.proposer = None if spec is None else build_proposer(self, spec, loaded)
         self.leader = distributed.leader()   # multi-host: process 0 feeds the followers
-        # Steps launched on a thread of their own (runner/launcher.py); not with a
-        # proposer (it reads the target's steps in step) nor several processes (the
-        # leader sends each step as it launches). JAXLLM_LAUNCH_THREAD=0 turns it off.
-        if (self.proposer is None and self.leader is None and jax.process_count() == 1
-                and os.environ.get("JAXLLM_LAUNCH_THREAD", "1") != "0"):
-            self.runner.launcher = Launcher()
 
     @property
     def platform(self) -> str:
@@ -116,8 +107,6 @@ class Executor:
             # Preempted ones include those swapped out (the draft's pool is not swapped).
             self.proposer.finish(scheduler_output.finished_request_ids
                                  + scheduler_output.preempted_request_ids)
-        if self.runner.launcher is not None:
-            self.runner.launcher.join()     # the last launch's pool before any swap
         self.runner.swap_out(scheduler_output.blocks_to_swap_out, self.host_pool)
         self.runner.swap_in(scheduler_output.blocks_to_swap_in, self.host_pool)
         hook = dispatch if before_dispatch is not None or self.leader is not None else None

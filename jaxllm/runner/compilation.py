@@ -273,10 +273,6 @@ class CompilationManager:
             except Exception:      # noqa: BLE001 - logged; the jit compiles it below
                 pass
 
-    def verified(self, key: tuple) -> bool:
-        """A program for `key` is held and has run (its next call cannot lose the pool)."""
-        return key in self.programs and key not in self.unverified
-
     def call(self, key: tuple, args: tuple, jitted, jit_args: tuple):
         """The program for `key`, else the jit (which compiles on first use)."""
         compiled = self.programs.get(key)

@@ -23,17 +23,17 @@ import jax
 import numpy as np
 
 from jaxllm.config import EngineConfig
+from jaxllm.engine.scheduler import KVCacheLostError
 from jaxllm.layers.attention import AttentionSpec
 from jaxllm.models.loader import LoadedModel
 from jaxllm.parallel import distributed, mesh as mesh_lib
-from jaxllm.runner import executable_store, input_batch, kv_cache, sampling_rows, warm_runs
+from jaxllm.runner import executable_store, input_batch, kv_cache, sampling_rows
 from jaxllm.runner.buckets import BucketPlan
 from jaxllm.runner.compilation import CompilationManager, Program, first_requests_only
 from jaxllm.runner.step_fn import dummy_arrays, step_compiler_options
 # Module names of their own: tests spy on them (one call is one trace).
 from jaxllm.runner.step_fn import forward as _forward, sample_into as _sample_into
 from jaxllm.runner.step_inputs import StepInputs, put_replicated
-from jaxllm.runner.launcher import wait_launched
 from jaxllm.runner.step_output import StepHandle, read_back, start_copies
 from jaxllm.runner.sampler import SamplerOutput, warm_up_variants
 from jaxllm.runner.sampling_rows import dummy_metadata
@@ -64,7 +64,6 @@ class ModelRunner:
             interpret=backend == "pallas" and jax.devices()[0].platform == "cpu")
         self.model_dtype = jax.tree.leaves(self.state)[0].dtype
         self.kv_caches = self.last_hidden = None
-        self.launcher = None       # a Launcher, which the executor sets where it is safe
         self.num_blocks = 0
         self._replicated = mesh_lib.replicated(mesh)
         self._token_buf = jax.device_put(np.zeros(self.plan.max_seqs, np.int32),
@@ -252,38 +251,28 @@ class ModelRunner:
         """Launch one step (model and sampler) without waiting for it; None when nothing
         is scheduled. `defer_sample`: the model only (sample_tokens follows, with the
         grammar bitmask). `before_dispatch()` runs just before the model launches, its
-        host inputs ready (the engine core launches the previous deferred sampler there).
-        With a `launcher`, a step whose program has run before is launched on its thread
-        once every input is ready here (launcher.py)."""
+        host inputs ready (the engine core launches the previous deferred sampler there)."""
         if not scheduler_output.scheduled:
             return None
-        if self.launcher is not None:
-            self.launcher.join()
         scheduled, spec = input_batch.expand_spec_rows(scheduler_output.scheduled)
         arrays, decode_only, rows = self.prepare_inputs(scheduled)
         targets = input_batch.prompt_targets(scheduled, requests, len(arrays["input_ids"]))
         reqs = [requests[r.request_id] for r in scheduled]
-        md, flags = self._sampling_metadata(scheduled, reqs, rows, fallback_seeds)
+        sampling = None
+        if before_dispatch is not None:
+            sampling = self._sampling_metadata(scheduled, reqs, rows, fallback_seeds)
+            before_dispatch()
+        prompt_out = None
+        if targets is not None:
+            logits, prompt_out = self.launch_step(arrays, decode_only, targets)
+        else:
+            logits = self.launch_step(arrays, decode_only)
+        md, flags = sampling or self._sampling_metadata(scheduled, reqs, rows, fallback_seeds)
         self.remember_rows(scheduled)     # where the next step's inputs find its tokens
-        handle = StepHandle(scheduled, requests, None, flags.num_logprobs, None, spec=spec)
-        inputs = None if targets is not None else self.pack_inputs(arrays, decode_only)
-
-        def dispatch(at_model=lambda: None):
-            if before_dispatch is not None:
-                before_dispatch()
-            at_model()
-            if inputs is None:
-                logits, handle.prompt_out = self.launch_step(arrays, decode_only, targets)
-            else:
-                logits = self.launch_packed(inputs)
-            handle.pending, handle.hidden = (logits, md, flags), self.last_hidden
-            if not defer_sample:
-                self.sample_tokens(handle, None)
-        if self.launcher is not None and inputs is not None and self.compilation.verified(
-                ("step", inputs.num_tokens, inputs.num_seqs, inputs.decode_only)):
-            self.launcher.submit(handle, dispatch)
-        else:      # here: a first run's error (a lost pool) must reach the engine core now
-            dispatch()
+        handle = StepHandle(scheduled, requests, None, flags.num_logprobs, prompt_out,
+                            pending=(logits, md, flags), spec=spec, hidden=self.last_hidden)
+        if not defer_sample:
+            self.sample_tokens(handle, None)
         return handle
 
     def _sampling_metadata(self, scheduled, reqs, rows: int, fallback_seeds: dict):
@@ -298,8 +287,8 @@ class ModelRunner:
     def sample_tokens(self, handle: StepHandle, grammar_bitmask) -> None:
         """Launch a step's sampler; grammar_bitmask: None, or i32[S, W] of the sampler's
         S rows, on the host (multi-host, where it was broadcast) or upload_bitmask's."""
-        wait_launched(handle)
-        (logits, md, flags), handle.pending = handle.pending, None
+        logits, md, flags = handle.pending
+        handle.pending = None
         bitmask = grammar_bitmask
         if bitmask is not None:
             flags = dataclasses.replace(flags, use_bitmask=True)
@@ -309,7 +298,6 @@ class ModelRunner:
         start_copies(handle)
 
     def sampler_rows(self, handle: StepHandle) -> int:   # S: the bitmask's height
-        wait_launched(handle)
         return handle.pending[0].shape[0]
 
     def upload_bitmask(self, bitmask: np.ndarray):
@@ -318,9 +306,6 @@ class ModelRunner:
 
     def get_output(self, handle: StepHandle):
         """Wait for a launched step: (id -> SampleResult, id -> prompt logprob rows)."""
-        wait_launched(handle)
-        if handle.sampled is None and self.launcher is not None:
-            self.launcher.join()      # the launch that was to start its sampler failed
         return read_back(handle)
 
     def _eos_ids(self) -> tuple[int, ...]:
@@ -382,8 +367,26 @@ class ModelRunner:
                     "compiling in the background" if self.compilation.background else "")
         return elapsed
 
-    def run_programs_once(self) -> None:     # warm_runs.py
-        warm_runs.run_programs_once(self)
+    def run_programs_once(self) -> None:
+        """Run every warmed-up program once on padding inputs (no KV slot written, no
+        sequence read). A program's first run on a GPU loads its kernels and builds
+        its CUDA graphs, here rather than in the first requests' steps, as vLLM's
+        dummy runs do; a program read from a file that fails here is compiled again
+        (`_call`). It costs 1.0-1.5 s of an 8B start on the H200. Multi-host runs
+        skip it: every process would have to run the same programs in step."""
+        out = None
+        for key in sorted(self.compilation.programs, key=str):
+            if key[0] == "step":
+                _, t, s, decode_only = key
+                try:
+                    out = self.launch_step(self._dummy_arrays(t, s), decode_only)
+                except KVCacheLostError:      # replaced; the pool holds nothing yet
+                    out = self.launch_step(self._dummy_arrays(t, s), decode_only)
+            elif key[0] == "sample":
+                bitmask = self._dummy_bitmask(key[1]) if key[2].use_bitmask else None
+                out = self.sample_step(self._dummy_logits(key[1]), dummy_metadata(key[1]),
+                                       key[2], bitmask)
+        jax.block_until_ready((out, self.kv_caches))
 
     # ------------------------------------------------------------ swap
     def swap_out(self, pairs, host_pool):      # pairs [(gpu, cpu)]: device to host

@@ -32,7 +32,6 @@ class StepHandle:
     pending: tuple | None = None
     spec: dict | None = None    # input_batch.expand_spec_rows: id -> (first row, drafts)
     hidden: Any = None          # [T, C] on the device: the states an EAGLE head reads
-    launched: Any = None        # a Future while a Launcher launches it (launcher.py)
 
 
 def start_copies(handle: StepHandle) -> None:
