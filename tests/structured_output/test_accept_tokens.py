@@ -95,4 +95,3 @@ def test_a_constraint_is_validated_once(monkeypatch):
             manager.validate(StructuredOutputsParams(json={"enum": {"a", "b"}}))
     finally:
         manager.shutdown()
-
