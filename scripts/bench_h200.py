@@ -142,10 +142,15 @@ def bench_throughput(llm, vocab, args):
     prompts = random_prompts(rng, n, 1024, vocab)
     params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
     timed_generate(llm, prompts[:64], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    t, outs = timed_generate(llm, prompts, params)
+    timeline = None
+    if args.timeline:       # the schedule of every step recorded (step_timeline.py)
+        from step_timeline import timed_run
+        t, outs, timeline = timed_run(llm, prompts, params)
+    else:
+        t, outs = timed_generate(llm, prompts, params)
     out_toks = sum(len(o.outputs[0].token_ids) for o in outs)
     return {"requests_s": n / t, "total_tok_s": (n * 1024 + out_toks) / t,
-            "output_tok_s": out_toks / t, "seconds": t}
+            "output_tok_s": out_toks / t, "seconds": t, "timeline": timeline}
 
 
 def sharegpt_lengths(n=1000):
@@ -275,6 +280,8 @@ def main():
     ap.add_argument("--no-async-scheduling", action="store_true")
     ap.add_argument("--profile", action="store_true",
                     help="time and trace bare steps (PROFILE_SHAPES) after the workloads")
+    ap.add_argument("--timeline", action="store_true",
+                    help="throughput: time by kind of step (scripts/step_timeline.py)")
     ap.add_argument("--compile-cache", metavar="DIR",
                     help="persistent compilation cache (cold start fills it)")
     ap.add_argument("--startup-only", action="store_true",
