@@ -115,6 +115,7 @@ def main():
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--requests", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--device-ms", type=float, default=15.0)
     ap.add_argument("--serve", action="store_true")
     ap.add_argument("--serve-engine", choices=("thread", "process", "both"), default="both",
@@ -236,7 +237,7 @@ def offline(engine, device: FakeDevice, args, phases: dict | None = None) -> Non
     import pstats
     from jaxllm.sampling_params import RequestOutputKind
     rng = np.random.default_rng(0)
-    prompts = [{"prompt_token_ids": rng.integers(100, 1000, 64).tolist()}
+    prompts = [{"prompt_token_ids": rng.integers(100, 1000, args.prompt_len).tolist()}
                for _ in range(args.requests)]
     profile = cProfile.Profile() if args.profile else None
     gc_s = gc_timer()
