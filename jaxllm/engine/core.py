@@ -75,6 +75,11 @@ class EngineCore:
                 request.request_id, constraint)
         self.scheduler.add_request(request)
 
+    def call_utility(self, fn, *args):
+        """fn(self, *args): benchmarks and tests reach the core's parts this way
+        whether it runs here or in a process of its own (core_mp.py)."""
+        return fn(self, *args)
+
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
         request_ids = list(request_ids)
         self.scheduler.finish_requests(request_ids, status)

@@ -45,73 +45,60 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
-        from concurrent.futures import ThreadPoolExecutor
-
-        from jaxllm.executor.executor import Executor
-        from jaxllm.tokenizer import load_tokenizer
-
+    def __init__(self, config: EngineConfig, engine_process: bool = False, setup=None):
+        """engine_process: the engine core in a process of its own (core_mp.py);
+        setup(core): a picklable callable run on it there once built."""
         self.config = config
         t0 = time.perf_counter()
-        # The tokenizer loads on a thread while the weights load: importing transformers
-        # alone takes seconds, while the weights mostly wait on the device or on reads.
-        with ThreadPoolExecutor(1, thread_name_prefix="jaxllm-tokenizer") as pool:
-            tokenizer = pool.submit(load_tokenizer, config.model)
-            self.executor = Executor(config)
-            t_load = time.perf_counter()
-            self.tokenizer = tokenizer.result()
-        t_tokenizer = time.perf_counter()
-        ex = self.executor
-        self.arch, self.model_path = ex.arch, ex.model_path
-        self.max_model_len, self.max_num_batched_tokens = ex.max_model_len, ex.max_num_batched_tokens
-        ex.initialize_kv_cache()
-        t_kv = time.perf_counter()
-        sc = config.scheduler
-        scheduler = Scheduler(
-            block_size=config.cache.block_size, num_gpu_blocks=ex.num_gpu_blocks,
-            num_cpu_blocks=ex.num_cpu_blocks, max_num_seqs=sc.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            max_model_len=self.max_model_len, enable_chunked_prefill=sc.enable_chunked_prefill,
-            enable_prefix_caching=config.cache.enable_prefix_caching,
-            preemption_mode=sc.preemption_mode, policy=sc.scheduling_policy,
-            num_lookahead_tokens=ex.num_lookahead_tokens)
-        if not config.enforce_eager:
-            ex.compile_or_warm_up_model()
-        self.eos_token_id = self.arch.eos_token_id[0] if self.arch.eos_token_id else \
-            self.tokenizer.eos_token_id
-        # After the warm-up: its tokenizer view builds on a thread of its own.
-        structured = StructuredOutputManager(self.tokenizer, self.arch.vocab_size,
-                                             self.eos_token_id)
-        self.engine_core = EngineCore(scheduler, ex, sc.async_scheduling, structured)
+        if engine_process:
+            from jaxllm.engine.core_mp import EngineCoreMPClient
+            from jaxllm.tokenizer import load_tokenizer
+            client = EngineCoreMPClient(config, setup)
+            self.tokenizer = load_tokenizer(config.model)   # while the engine starts
+            info = client.wait_until_ready()
+            self.executor, self.engine_core = None, client
+            client.structured_output_manager = StructuredOutputManager(
+                self.tokenizer, info.arch.vocab_size, info.eos_token_id)   # its checks
+        else:
+            self.engine_core, info = build_core(config, self)
+        self.arch, self.model_path = info.arch, info.model_path
+        self.max_model_len, self.max_num_batched_tokens = info.max_model_len, info.max_num_batched_tokens
+        self.eos_token_id, self._num_gpu_blocks = info.eos_token_id, info.num_gpu_blocks
         self.output_processor = OutputProcessor(self.tokenizer)
         self.startup_seconds = time.perf_counter() - t0
-        # Where start-up went: weights (built or read), the wait for the tokenizer after
-        # them, the model runner, KV sizing (on a GPU: the largest step compiled or
-        # loaded, for its memory analysis) and allocation, and warm-up (the other
-        # programs compiled, or loaded from the executable store). load_s: the three after it.
-        self.startup_breakdown = {
-            "load_s": t_tokenizer - t0, "weights_s": ex.weights_s,
-            "tokenizer_wait_s": t_tokenizer - t_load, "runner_s": t_load - t0 - ex.weights_s,
-            "kv_cache_s": t_kv - t_tokenizer, "warm_up_s": time.perf_counter() - t_kv}
+        self.startup_breakdown = info.startup_breakdown
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self._rng = random.Random(config.model.seed)
-        logger.info("engine ready in %.1f s (%s, %d KV blocks, %s; %s)", self.startup_seconds,
-                    self.model_path, ex.num_gpu_blocks, ex.platform,
+        logger.info("engine ready in %.1f s (%s, %d KV blocks%s; %s)", self.startup_seconds,
+                    self.model_path, info.num_gpu_blocks,
+                    ", engine core in its own process" if engine_process else "",
                     ", ".join(f"{k} {v:.1f}" for k, v in self.startup_breakdown.items()))
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> "LLMEngine":
-        return cls(config)
+    def from_config(cls, config: EngineConfig, engine_process: bool = False) -> "LLMEngine":
+        return cls(config, engine_process)
 
     # What tests and benchmarks look at.
     @property
     def runner(self):
-        return self.executor.runner
+        return self._in_process().executor.runner
 
     @property
     def scheduler(self) -> Scheduler:
-        return self.engine_core.scheduler
+        return self._in_process().engine_core.scheduler
+
+    def _in_process(self) -> "LLMEngine":
+        if self.executor is None:
+            raise RuntimeError("the engine core runs in a process of its own "
+                               "(JAXLLM_ENABLE_MULTIPROCESSING=1): its scheduler and "
+                               "runner are not reachable from here")
+        return self
+
+    def shutdown(self) -> None:
+        """Stop the engine core's process, if it has one."""
+        if self.executor is None:
+            self.engine_core.shutdown()
 
     @property
     def async_scheduling(self) -> bool:
@@ -173,7 +160,7 @@ class LLMEngine:
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+                return prompt.get("prompt"), self._checked_ids(prompt["prompt_token_ids"])
             if "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:
@@ -181,14 +168,17 @@ class LLMEngine:
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-            ids = list(prompt)
-            bad = [t for t in ids if not 0 <= t < self.arch.vocab_size]
-            if bad:
-                raise ValueError(f"token id {bad[0]} is out of vocabulary "
-                                 f"(0..{self.arch.vocab_size - 1})")
-            return None, ids
+            return None, self._checked_ids(prompt)
         raise ValueError("a prompt is a string, a list of token ids, or "
                          "{'prompt_token_ids': [...]}")
+
+    def _checked_ids(self, token_ids) -> list[int]:
+        ids = list(token_ids)
+        vocab = self.arch.vocab_size
+        if ids and not (0 <= min(ids) and max(ids) < vocab):
+            bad = next(t for t in ids if not 0 <= t < vocab)
+            raise ValueError(f"token id {bad} is out of vocabulary (0..{vocab - 1})")
+        return ids
 
     def _validate_length(self, num_prompt: int, params: SamplingParams) -> None:
         if num_prompt == 0:
@@ -239,20 +229,79 @@ class LLMEngine:
 
     # ------------------------------------------------------------ stats
     def get_stats(self) -> EngineStats:
-        scheduler = self.scheduler
-        pool = scheduler.block_pool
-        som = self.engine_core.structured_output_manager
-        return EngineStats(
-            num_running=scheduler.num_running,
-            num_waiting=scheduler.num_waiting + scheduler.num_swapped,
-            kv_cache_usage=pool.get_usage(),
-            num_preemptions_total=scheduler.num_preemptions_total,
-            prompt_tokens_total=self.prompt_tokens_total,
-            generation_tokens_total=self.generation_tokens_total,
-            prefix_cache_queries=pool.prefix_cache_queries,
-            prefix_cache_hits=pool.prefix_cache_hits,
-            num_free_blocks=pool.get_num_free_blocks(),
-            # The null block is never handed out.
-            num_total_blocks=self.executor.num_gpu_blocks - 1,
-            grammar_mask_seconds=som.mask_seconds, grammar_compile_seconds=som.compile_seconds,
-            grammars_compiled=som.num_compiled)
+        if self.executor is None:     # the engine process's, after its latest step
+            stats = self.engine_core.stats
+        else:
+            stats = core_stats(self.engine_core, self._num_gpu_blocks)
+        return dataclasses.replace(stats, prompt_tokens_total=self.prompt_tokens_total,
+                                   generation_tokens_total=self.generation_tokens_total)
+
+
+def core_stats(core: EngineCore, num_gpu_blocks: int) -> EngineStats:
+    """The engine core's side of EngineStats (token totals 0: the LLMEngine's)."""
+    scheduler = core.scheduler
+    pool = scheduler.block_pool
+    som = core.structured_output_manager
+    return EngineStats(
+        num_running=scheduler.num_running,
+        num_waiting=scheduler.num_waiting + scheduler.num_swapped,
+        kv_cache_usage=pool.get_usage(),
+        num_preemptions_total=scheduler.num_preemptions_total,
+        prompt_tokens_total=0, generation_tokens_total=0,
+        prefix_cache_queries=pool.prefix_cache_queries,
+        prefix_cache_hits=pool.prefix_cache_hits,
+        num_free_blocks=pool.get_num_free_blocks(),
+        # The null block is never handed out.
+        num_total_blocks=num_gpu_blocks - 1,
+        grammar_mask_seconds=som.mask_seconds, grammar_compile_seconds=som.compile_seconds,
+        grammars_compiled=som.num_compiled)
+
+
+def build_core(config: EngineConfig, engine=None):
+    """The device side of an engine: (EngineCore over the executor and a scheduler,
+    CoreInfo). ``engine``: an LLMEngine being built here, given the tokenizer and
+    executor too (the engine process passes none)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from jaxllm.engine.core_mp import CoreInfo
+    from jaxllm.executor.executor import Executor
+    from jaxllm.tokenizer import load_tokenizer
+
+    t0 = time.perf_counter()
+    # The tokenizer loads on a thread while the weights load: importing transformers
+    # alone takes seconds, while the weights mostly wait on the device or on reads.
+    with ThreadPoolExecutor(1, thread_name_prefix="jaxllm-tokenizer") as pool:
+        tokenizer = pool.submit(load_tokenizer, config.model)
+        ex = Executor(config)
+        t_load = time.perf_counter()
+        tokenizer = tokenizer.result()
+    t_tokenizer = time.perf_counter()
+    ex.initialize_kv_cache()
+    t_kv = time.perf_counter()
+    sc = config.scheduler
+    scheduler = Scheduler(
+        block_size=config.cache.block_size, num_gpu_blocks=ex.num_gpu_blocks,
+        num_cpu_blocks=ex.num_cpu_blocks, max_num_seqs=sc.max_num_seqs,
+        max_num_batched_tokens=ex.max_num_batched_tokens,
+        max_model_len=ex.max_model_len, enable_chunked_prefill=sc.enable_chunked_prefill,
+        enable_prefix_caching=config.cache.enable_prefix_caching,
+        preemption_mode=sc.preemption_mode, policy=sc.scheduling_policy,
+        num_lookahead_tokens=ex.num_lookahead_tokens)
+    if not config.enforce_eager:
+        ex.compile_or_warm_up_model()
+    eos = ex.arch.eos_token_id[0] if ex.arch.eos_token_id else tokenizer.eos_token_id
+    # After the warm-up: its tokenizer view builds on a thread of its own.
+    structured = StructuredOutputManager(tokenizer, ex.arch.vocab_size, eos)
+    core = EngineCore(scheduler, ex, sc.async_scheduling, structured)
+    if engine is not None:
+        engine.tokenizer, engine.executor = tokenizer, ex
+    # Where start-up went: weights (built or read), the wait for the tokenizer after
+    # them, the model runner, KV sizing (on a GPU: the largest step compiled or
+    # loaded, for its memory analysis) and allocation, and warm-up (the other
+    # programs compiled, or loaded from the executable store). load_s: the three after it.
+    breakdown = {
+        "load_s": t_tokenizer - t0, "weights_s": ex.weights_s,
+        "tokenizer_wait_s": t_tokenizer - t_load, "runner_s": t_load - t0 - ex.weights_s,
+        "kv_cache_s": t_kv - t_tokenizer, "warm_up_s": time.perf_counter() - t_kv}
+    return core, CoreInfo(ex.arch, ex.model_path, ex.max_model_len, ex.max_num_batched_tokens,
+                          eos, ex.num_gpu_blocks, breakdown)

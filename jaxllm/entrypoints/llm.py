@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import gc
 import itertools
+import os
 from typing import Sequence
 
 from jaxllm.config import engine_config_from_flat
@@ -37,7 +38,7 @@ class LLM:
             self.llm_engine = PoolingEngine(config)
         else:
             from jaxllm.engine.llm_engine import LLMEngine
-            self.llm_engine = LLMEngine.from_config(config)
+            self.llm_engine = LLMEngine.from_config(config, engine_process=_multiprocessing())
         self._counter = itertools.count()
 
     def embed(self, prompts, pooling_params=None, *, truncate_prompt_tokens: int | None = None,
@@ -127,6 +128,15 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [done[i] for i in ids]
+
+
+def _multiprocessing() -> bool:
+    """JAXLLM_ENABLE_MULTIPROCESSING=1 (vLLM's VLLM_ENABLE_V1_MULTIPROCESSING): the engine
+    core in a process of its own (engine/core_mp.py); off by default."""
+    value = os.environ.get("JAXLLM_ENABLE_MULTIPROCESSING", "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"JAXLLM_ENABLE_MULTIPROCESSING={value!r}: must be 0 or 1")
+    return value == "1"
 
 
 @contextlib.contextmanager
