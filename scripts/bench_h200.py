@@ -75,9 +75,11 @@ def bench_decode1(llm, vocab, args):
     params = SamplingParams(temperature=0, max_tokens=512, ignore_eos=True)
     timed_generate(llm, prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     t, outs = timed_generate(llm, prompts, params)
-    res = {"output_tok_s": 512 / t, "seconds": t, **step_breakdown(llm),
-           "host_ms": host_timing(llm, prompts, params)}
+    res = {"output_tok_s": 512 / t, "seconds": t}
     engine = llm.llm_engine
+    if engine.executor is None:     # the engine core in its own process: no internals
+        return res
+    res.update(**step_breakdown(llm), host_ms=host_timing(llm, prompts, params))
     if engine.async_scheduling:      # the same engine stepping one step at a time
         engine.async_scheduling = False
         try:
@@ -313,7 +315,11 @@ def main():
         jax.config.update("jax_log_compiles", True)
         logging.getLogger("jax").addHandler(_Names())
     vocab = read_hf_config(args.model)["vocab_size"]
-    results = {"model": args.model, "device": str(jax.devices()[0].device_kind),
+    # With the engine core in its own process this one must not take the card.
+    engine_process = os.environ.get("JAXLLM_ENABLE_MULTIPROCESSING") == "1"
+    results = {"model": args.model, "engine_process": engine_process,
+               "device": "(engine process)" if engine_process else
+               str(jax.devices()[0].device_kind),
                "tp": args.tensor_parallel_size, "tag": args.tag,
                "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype}
     if hf is not None:
@@ -325,7 +331,7 @@ def main():
               attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
               tensor_parallel_size=args.tensor_parallel_size,
               async_scheduling=not args.no_async_scheduling, quantization=args.quantization,
-              kv_cache_dtype=args.kv_cache_dtype)
+              kv_cache_dtype=args.kv_cache_dtype, compilation_cache_dir=args.compile_cache)
     results["startup_s"] = time.perf_counter() - t0
     results["startup_breakdown"] = llm.llm_engine.startup_breakdown
     results["compile_cache"] = compilation_cache.summary()
@@ -335,8 +341,9 @@ def main():
                                                      "compile_cache")},
                           "compile_log": misses[:80]}))
         return
-    results["kv_blocks"] = llm.llm_engine.runner.num_blocks
-    results["backend"] = llm.llm_engine.runner.spec.backend
+    results["kv_blocks"] = llm.llm_engine.get_stats().num_total_blocks + 1
+    results["backend"] = "engine process" if llm.llm_engine.executor is None else \
+        llm.llm_engine.runner.spec.backend
     print(f"engine up in {results['startup_s']:.1f} s, {results['kv_blocks']} blocks", flush=True)
     for name in args.workloads:
         try:

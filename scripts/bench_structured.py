@@ -150,6 +150,42 @@ def sampler_cost(rows: int, vocab: int, iters: int = 50) -> dict:
     return out
 
 
+# Run on the engine core through EngineCore.call_utility: in this process, or in the
+# engine's own with --engine-process (JAXLLM_ENABLE_MULTIPROCESSING=1).
+_ORIGINAL: dict = {}
+
+
+def core_set_tokenizer(core, vocab: int, eos: int) -> None:
+    core.structured_output_manager.set_tokenizer(qwen_lltokenizer(vocab, eos))
+
+
+def core_configure(core, si, threads, upload="mask", accept_rows=None) -> None:
+    """What the manager sets once a constrained request came; upload "engine": the
+    mask thread hands back the host array and the engine thread uploads it as it
+    launches the sampler; accept_rows: the manager's PARALLEL_ACCEPT_ROWS (None: its
+    default)."""
+    from jaxllm.structured_output import manager as manager_module
+    executor, som = core.executor, core.structured_output_manager
+    _ORIGINAL.setdefault("upload", executor.upload_bitmask)
+    _ORIGINAL.setdefault("accept", manager_module.PARALLEL_ACCEPT_ROWS)
+    executor.upload_bitmask = _ORIGINAL["upload"] if upload == "mask" else (lambda m: m)
+    som.gil_switch_interval = si
+    sys.setswitchinterval(si)
+    som.set_mask_threads(threads)
+    manager_module.PARALLEL_ACCEPT_ROWS = _ORIGINAL["accept"] if accept_rows is None \
+        else accept_rows
+
+
+def core_counters(core) -> dict:
+    som = core.structured_output_manager
+    return {"mask_s": som.mask_seconds, "mask_wait_s": som.mask_wait_seconds,
+            "compiled": som.num_compiled, "compile_s": som.compile_seconds}
+
+
+def core_sampler_cost(core, rows: int, vocab: int) -> dict:
+    return sampler_cost(rows, vocab)     # on the engine's device, in its process
+
+
 def run(llm, prompts, params, started=None) -> tuple[float, list]:
     # Each run from a collected heap: a full collection inside one run took 3.4 ms
     # per step of it on the H200's host, in plain and constrained runs alike.
@@ -176,13 +212,17 @@ def half_rate(outs, h: int) -> float:
 def bench_engine(args) -> dict:
     from jaxllm import LLM, SamplingParams
     from jaxllm.sampling_params import StructuredOutputsParams
+    if args.engine_process:
+        os.environ["JAXLLM_ENABLE_MULTIPROCESSING"] = "1"
     llm = LLM(args.model, load_format="dummy", dtype="bfloat16", max_model_len=2048,
               max_num_seqs=args.num, compilation_cache_dir=args.compile_cache)
     engine = llm.llm_engine
+    core = engine.engine_core
     vocab, eos = engine.arch.vocab_size, engine.eos_token_id
     lltok = qwen_lltokenizer(vocab, eos)
-    som = engine.engine_core.structured_output_manager
-    som.set_tokenizer(lltok)
+    core.call_utility(core_set_tokenizer, vocab, eos)
+    # The checks of added requests: with --engine-process, this process's own manager.
+    core.structured_output_manager.set_tokenizer(lltok)
     rng = np.random.default_rng(0)
     prompts = [{"prompt_token_ids": rng.integers(100, vocab - 300, 128).tolist()}
                for _ in range(args.num)]
@@ -194,7 +234,8 @@ def bench_engine(args) -> dict:
         return SamplingParams(temperature=1.0, seed=i, max_tokens=args.max_tokens,
                               structured_outputs=StructuredOutputsParams(json=schema))
     n = args.num
-    res = {"model": args.model, "vocab": vocab, "num": n, "max_tokens": args.max_tokens}
+    res = {"model": args.model, "vocab": vocab, "num": n, "max_tokens": args.max_tokens,
+           "engine_process": args.engine_process}
     # Both paths at the full batch first: timed, the first 256-row run of a process came
     # out 20-30% slower than the next ones (likely shapes a small warm-up never reached).
     run(llm, prompts, [constrained(i) for i in range(n)])
@@ -214,20 +255,10 @@ def bench_engine(args) -> dict:
         return out
     combos = [(si, t, up, a) for si in args.switch_intervals for t in args.mask_threads
               for up in args.upload_thread for a in args.accept_rows]
-    executor = engine.engine_core.executor
-    mask_thread_upload = executor.upload_bitmask
-    from jaxllm.structured_output import manager as manager_module
-    default_accept = manager_module.PARALLEL_ACCEPT_ROWS
+    from jaxllm.structured_output.manager import PARALLEL_ACCEPT_ROWS as default_accept
 
-    def configure(si, threads, upload="mask", accept_rows=default_accept):   # what the
-        # manager sets once a constrained request came; upload "engine": the mask thread
-        # hands back the host array and the engine thread uploads it as it launches the
-        # sampler; accept_rows: the manager's PARALLEL_ACCEPT_ROWS.
-        executor.upload_bitmask = mask_thread_upload if upload == "mask" else (lambda m: m)
-        som.gil_switch_interval = si
-        sys.setswitchinterval(si)
-        som.set_mask_threads(threads)
-        manager_module.PARALLEL_ACCEPT_ROWS = accept_rows
+    def configure(si, threads, upload="mask", accept_rows=default_accept):
+        core.call_utility(core_configure, si, threads, upload, accept_rows)
     # Host-bound runs drift by tens of percent within one process, so each figure is
     # the median over repeats of a ratio to the plain run just before it.
     for _ in range(args.repeat):
@@ -238,7 +269,7 @@ def bench_engine(args) -> dict:
                    + ("" if accept_rows == default_accept else f"/accept-from-{accept_rows}"))
             t, outs = timed("plain", run, llm, prompts, [plain(i) for i in range(n)])
             plain_tps, plain_half = out_tokens(outs) / t, half_rate(outs, 0)
-            mask0, wait0 = som.mask_seconds, som.mask_wait_seconds
+            c0 = core.call_utility(core_counters)
             t, outs = timed(f"constrained {key}", run, llm, prompts,
                             [constrained(i) for i in range(n)])
             # The schema is longer than max_tokens: a shorter output had a token its
@@ -246,13 +277,13 @@ def bench_engine(args) -> dict:
             if {(len(o.outputs[0].token_ids), o.outputs[0].finish_reason) for o in outs} != {
                     (args.max_tokens, "length")}:
                 raise SystemExit(f"{key}: a constrained output ended early: a wrong mask")
-            steps = args.max_tokens
+            steps, c1 = args.max_tokens, core.call_utility(core_counters)
             runs.setdefault(key, []).append({
                 "plain_out_tok_s": plain_tps, "plain_half_out_tok_s": plain_half,
                 "constrained_out_tok_s": out_tokens(outs) / t,
                 "constrained_ratio": out_tokens(outs) / t / plain_tps,
-                "mask_ms_per_step": 1000 * (som.mask_seconds - mask0) / steps,
-                "mask_wait_ms_per_step": 1000 * (som.mask_wait_seconds - wait0) / steps})
+                "mask_ms_per_step": 1000 * (c1["mask_s"] - c0["mask_s"]) / steps,
+                "mask_wait_ms_per_step": 1000 * (c1["mask_wait_s"] - c0["mask_wait_s"]) / steps})
             params = [constrained(i) if i % 2 else plain(i) for i in range(n)]
             _, outs = timed(f"mix {key}", run, llm, prompts, params)
             runs[key][-1]["mix_half_out_tok_s"] = half_rate(outs, 0)
@@ -282,12 +313,13 @@ def bench_engine(args) -> dict:
         _, outs = run(llm, prompts[:1], [constrained(k, schema)])
         m = outs[0].metrics
         ttft_new.append(m.first_token_time - m.arrival_time)
+    counters = core.call_utility(core_counters)
     res.update(ttft_plain_ms=1000 * statistics.median(ttft_plain),
                ttft_new_schema_ms=1000 * statistics.median(ttft_new),
                ttft_all_ms={"plain": [round(1000 * x, 2) for x in ttft_plain],
                             "new_schema": [round(1000 * x, 2) for x in ttft_new]},
-               grammars_compiled=som.num_compiled,
-               grammar_compile_ms_mean=1000 * som.compile_seconds / max(som.num_compiled, 1))
+               grammars_compiled=counters["compiled"],
+               grammar_compile_ms_mean=1000 * counters["compile_s"] / max(counters["compiled"], 1))
     if args.device_trace:       # device kernel time and idle per engine step, by kind of run
         from step_profile import profile_engine
         configure(*combos[0])
@@ -296,7 +328,7 @@ def bench_engine(args) -> dict:
             label: profile_engine(llm, prompts, p, args.max_tokens, top=8) for label, p in
             (("plain", [plain(i) for i in range(n)]),
              ("constrained", [constrained(i) for i in range(n)]), ("mix", mix))}
-    res["sampler_cost"] = sampler_cost(n, vocab)
+    res["sampler_cost"] = core.call_utility(core_sampler_cost, n, vocab)
     res["mask_cost"] = mask_cost(lltok)
     res["mask_cost_maxlength"] = mask_cost(lltok, schema=SCHEMA_MAXLENGTH)
     return res
@@ -331,9 +363,15 @@ def main():
                     help="per engine step of each run: wall and engine-thread CPU time, "
                          "the step's host phases, the collector, the mask uploads and the "
                          "kernel's accounting of the engine thread and the CPUs (host_stats)")
+    ap.add_argument("--engine-process", action="store_true",
+                    help="the engine core in a process of its own "
+                         "(JAXLLM_ENABLE_MULTIPROCESSING=1); not with --phases or --device-trace")
     ap.add_argument("--mask-cost-only", action="store_true",
                     help="host cost of masks at vocab 49k (SmolLM2) and 152k (Qwen), no engine")
     args = ap.parse_args()
+    if args.engine_process and (args.phases or args.device_trace):
+        ap.error("--phases and --device-trace read the engine in this process: "
+                 "not with --engine-process")
     if args.switch_intervals is None:
         from jaxllm.structured_output.manager import GIL_SWITCH_INTERVAL_S
         args.switch_intervals = [GIL_SWITCH_INTERVAL_S]
