@@ -30,8 +30,7 @@ import queue
 import signal
 import threading
 import weakref
-from dataclasses import dataclass, replace
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from jaxllm.engine.core import EngineCoreOutputs
 from jaxllm.engine.core_client import _remote_error
@@ -56,18 +55,6 @@ class SampleRecord(NamedTuple):
     top_logprobs: list[float] | None
 
 
-@dataclass
-class CoreInfo:
-    """What the LLMEngine here reads of the engine built in the engine process."""
-    arch: Any
-    model_path: str
-    max_model_len: int
-    max_num_batched_tokens: int
-    eos_token_id: int | None
-    num_gpu_blocks: int
-    startup_breakdown: dict
-
-
 def pack(outputs: EngineCoreOutputs) -> list[tuple]:
     """One step's (Request, SampleResult) pairs as plain tuples: (id, serial, token,
     logprob, rank, top ids, top logprobs, status code, stop reason, cached tokens,
@@ -90,7 +77,7 @@ def run_core(config, commands, outputs, setup=None, log_level=logging.INFO) -> N
     logging.basicConfig(level=log_level, format=LOG_FORMAT)
     try:
         from jaxllm.config_file import prepare_launch
-        from jaxllm.engine.llm_engine import build_core, core_stats
+        from jaxllm.engine.core_build import build_core, core_stats
         prepare_launch(config)
         core, info = build_core(config)
         if setup is not None:
@@ -113,7 +100,7 @@ def run_core(config, commands, outputs, setup=None, log_level=logging.INFO) -> N
 
 
 def _core_loop(core, info: CoreInfo, commands, outputs) -> None:
-    from jaxllm.engine.llm_engine import core_stats
+    from jaxllm.engine.core_build import core_stats
     # Sent from a thread of its own: the other process busy building outputs lets the
     # pipe fill, and a blocking send would stall the engine and the device.
     pending: queue.SimpleQueue = queue.SimpleQueue()
@@ -186,7 +173,8 @@ class EngineCoreMPClient:
         self.async_scheduling = config.scheduler.async_scheduling
         self._finalizer = weakref.finalize(self, _stop, self.process, self._commands)
 
-    def wait_until_ready(self) -> CoreInfo:
+    def wait_until_ready(self):
+        """The engine's CoreInfo once it is built (its start-up error, raised here)."""
         kind, *payload = self._receive("while starting")
         if kind == "failed":
             self.shutdown()
@@ -296,8 +284,3 @@ def _stop(process, commands) -> None:
         process.join(5)
     commands.close()
 
-
-def with_totals(stats, prompt_tokens: int, generation_tokens: int):
-    """The engine process's stats with this process's token counts."""
-    return replace(stats, prompt_tokens_total=prompt_tokens,
-                   generation_tokens_total=generation_tokens)

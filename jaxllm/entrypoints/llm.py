@@ -38,7 +38,11 @@ class LLM:
             self.llm_engine = PoolingEngine(config)
         else:
             from jaxllm.engine.llm_engine import LLMEngine
-            self.llm_engine = LLMEngine.from_config(config, engine_process=_multiprocessing())
+            client = None
+            if _multiprocessing():
+                from jaxllm.engine.core_mp import EngineCoreMPClient
+                client = EngineCoreMPClient(config)
+            self.llm_engine = LLMEngine.from_config(config, client)
         self._counter = itertools.count()
 
     def embed(self, prompts, pooling_params=None, *, truncate_prompt_tokens: int | None = None,
