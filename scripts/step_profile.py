@@ -184,7 +184,21 @@ def summarize(events, iters, top=12) -> dict:
         "lines_ms": {k: round(v, 4) for k, v in line_ms.most_common(8)},
         "top": [(n[:90], round(d / per, 4), c // iters)
                 for n, (d, c) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]],
+        "host_top": _host_top(events, gpu_pids, threads, per, top),
     }
+
+
+def _host_top(events, gpu_pids, threads, per, top) -> list:
+    """The host threads' traced spans (jax's and the runtime's: launches, transfers,
+    waits), by thread and name: (thread, name, ms per step, count)."""
+    spans = collections.defaultdict(lambda: [0.0, 0])
+    for e in events:
+        if e.get("ph") == "X" and "dur" in e and e.get("pid") not in gpu_pids:
+            key = (threads.get((e["pid"], e.get("tid")), "?")[:24], str(e.get("name", ""))[:70])
+            spans[key][0] += e["dur"]
+            spans[key][1] += 1
+    return [(t, n, round(d / per, 4), c) for (t, n), (d, c) in
+            sorted(spans.items(), key=lambda kv: -kv[1][0])[:2 * top]]
 
 
 def run_all(runner, shapes: dict, with_trace=True) -> dict:
