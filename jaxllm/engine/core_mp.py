@@ -69,10 +69,10 @@ def pack(outputs: EngineCoreOutputs) -> list[tuple]:
 
 
 # ---------------------------------------------------------------- engine process
-def run_core(config, commands, outputs, setup=None, log_level=logging.INFO) -> None:
+def run_core(config, commands, outputs, log_level=logging.INFO) -> None:
     """The engine process: build the engine core, say ready, then step while there is
     work, applying the commands between steps, until told to stop or the other
-    process is gone. ``setup(core)``: a picklable callable run on the built core."""
+    process is gone."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # the LLM's process decides
     logging.basicConfig(level=log_level, format=LOG_FORMAT)
     try:
@@ -80,8 +80,6 @@ def run_core(config, commands, outputs, setup=None, log_level=logging.INFO) -> N
         from jaxllm.engine.core_build import build_core, core_stats
         prepare_launch(config)
         core, info = build_core(config)
-        if setup is not None:
-            setup(core)
         # One engine for the process's life: what start-up built leaves the collector.
         gc.collect()
         gc.freeze()
@@ -99,7 +97,7 @@ def run_core(config, commands, outputs, setup=None, log_level=logging.INFO) -> N
         raise SystemExit(1)
 
 
-def _core_loop(core, info: CoreInfo, commands, outputs) -> None:
+def _core_loop(core, info, commands, outputs) -> None:
     from jaxllm.engine.core_build import core_stats
     # Sent from a thread of its own: the other process busy building outputs lets the
     # pipe fill, and a blocking send would stall the engine and the device.
@@ -155,13 +153,13 @@ class EngineCoreMPClient:
     process: EngineCore's calls (add_request, finish_requests, step), with the
     Requests added here as the mirrors the records update."""
 
-    def __init__(self, config, setup=None):
+    def __init__(self, config):
         ctx = multiprocessing.get_context("spawn")   # jax must never be forked
         child_commands, self._commands = ctx.Pipe(duplex=False)
         self._outputs, child_outputs = ctx.Pipe(duplex=False)
         self.process = ctx.Process(
             target=run_core, name="jaxllm-engine-core", daemon=True,
-            args=(config, child_commands, child_outputs, setup,
+            args=(config, child_commands, child_outputs,
                   logging.getLogger().getEffectiveLevel()))
         self.process.start()
         child_commands.close()      # so that the engine process's exit reads as EOF
@@ -194,6 +192,8 @@ class EngineCoreMPClient:
             if request is not None and not request.is_finished():
                 request.status = status
         self._queued.append(("finish", request_ids, _CODES[status]))
+        if status is RequestStatus.FINISHED_ABORTED:
+            self._flush()     # nothing may step again here soon (generate raised)
 
     def call_utility(self, fn, *args):
         """fn(core, *args) run in the engine process (fn and args picklable), its
@@ -231,7 +231,7 @@ class EngineCoreMPClient:
         return out
 
     def _apply(self, records: list[tuple], sampled: list) -> None:
-        requests = self._requests
+        requests, finished = self._requests, []
         for (rid, serial, token, logprob, rank, top_ids, top_lps, code, stop_reason,
              num_cached, first_scheduled) in records:
             request = requests.get(rid)
@@ -240,10 +240,12 @@ class EngineCoreMPClient:
             request.append_output_token(token)
             request.num_cached_tokens = num_cached
             request.first_scheduled_time = first_scheduled
-            if code:
+            if code:   # a step's every record of it carries its status after the step
                 request.status, request.stop_reason = _STATUSES[code], stop_reason
-                del requests[rid]
+                finished.append(rid)
             sampled.append((request, SampleRecord(token, logprob, rank, top_ids, top_lps)))
+        for rid in finished:      # after the step's other tokens of it (speculation)
+            requests.pop(rid, None)
 
     def _flush(self) -> None:
         if self._queued:

@@ -151,3 +151,59 @@ def test_setting_must_be_0_or_1(tiny_model, monkeypatch):
     monkeypatch.setenv("JAXLLM_ENABLE_MULTIPROCESSING", "yes")
     with pytest.raises(ValueError, match="JAXLLM_ENABLE_MULTIPROCESSING"):
         LLM(tiny_model("llama")[0], **ENGINE)
+
+
+class Oracle:
+    """Drafts each request's own greedy continuation: every draft accepted, so a step
+    gives a request several tokens (picklable: it is set in the engine process too)."""
+    num_lookahead_tokens = 0
+
+    def __init__(self, truth: dict):
+        self.truth = truth
+
+    def propose(self, requests, max_drafts, block_tables):
+        return [list(self.truth.get(tuple(r.prompt_token_ids), [])[r.num_tokens:r.num_tokens + k])
+                for r, k in zip(requests, max_drafts)]
+
+    def finish(self, request_ids):
+        pass
+
+
+def _set_proposer(core, proposer):
+    core.executor.proposer = proposer
+
+
+def _accepted_tokens(core):
+    return core.spec_stats.num_accepted_tokens
+
+
+@pytest.fixture(scope="module")
+def spec_engines(tiny_model):
+    folder, hf = tiny_model("llama")
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    local = LLM(folder, **ENGINE, speculative_config=spec)
+    remote = _mp_llm(folder, speculative_config=spec)
+    yield hf.config.vocab_size, local, remote
+    remote.llm_engine.shutdown()
+
+
+def test_speculation_with_stop_strings_same_as_in_process(engines, spec_engines):
+    """Several tokens of one request in one step's records, a stop string inside
+    them: the same cut, text and finish reason as in-process."""
+    vocab = spec_engines[0]
+    ps = prompts(vocab, n=6, seed=9)
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    reference = engines[1].generate(ps, greedy, use_tqdm=False)    # speculation off
+    truth = {tuple(p["prompt_token_ids"]): p["prompt_token_ids"] + o.outputs[0].token_ids
+             for p, o in zip(ps, reference)}
+    for llm in spec_engines[1:]:
+        llm.llm_engine.engine_core.call_utility(_set_proposer, Oracle(truth))
+    first = both(spec_engines, ps, greedy)
+    assert fields(first[0]) == fields(first[1])
+    assert [o.outputs[0].token_ids for o in first[1]] == [o.outputs[0].token_ids for o in reference]
+    stops = sorted({o.outputs[0].text[7:9] for o in reference if len(o.outputs[0].text) > 9})
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=stops)
+    a, b = both(spec_engines, ps, params)
+    assert fields(a) == fields(b)
+    assert sum(o.outputs[0].finish_reason == "stop" for o in b) >= 3
+    assert spec_engines[2].llm_engine.engine_core.call_utility(_accepted_tokens) > 20
