@@ -34,7 +34,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from jaxllm.engine.core_proc import EngineInfo, apply_commands, engine_stats, run_engine_core
+from jaxllm.engine.core_proc import (EngineInfo, apply_commands, engine_stats, exit_status,
+                                     run_engine_core)
 from jaxllm.engine.output_wire import OutputDecoder
 
 logger = logging.getLogger(__name__)
@@ -240,11 +241,7 @@ class MPClient(EngineCoreClient):
         return payload[0], payload[1]
 
     def _exit_status(self) -> str:
-        self.process.join(5)
-        code = self.process.exitcode
-        if code is None:
-            return "still running"
-        return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+        return exit_status(self.process)
 
     # ------------------------------------------------------------ writer and reader
     def _write(self) -> None:

@@ -34,7 +34,7 @@ from typing import NamedTuple
 
 from jaxllm.engine.core import EngineCoreOutputs
 from jaxllm.engine.core_client import _remote_error
-from jaxllm.engine.core_proc import LOG_FORMAT, _describe
+from jaxllm.engine.core_proc import LOG_FORMAT, _describe, exit_status, send_failure
 from jaxllm.engine.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -90,10 +90,7 @@ def run_core(config, commands, outputs, log_level=logging.INFO) -> None:
     try:
         _core_loop(core, info, commands, outputs)
     except BaseException as e:  # noqa: BLE001 - a failed step kills the engine
-        try:
-            outputs.send(("failed", *_describe(e)))
-        except OSError:
-            pass
+        send_failure(outputs, e)
         raise SystemExit(1)
 
 
@@ -264,11 +261,7 @@ class EngineCoreMPClient:
                                "its log is above") from None
 
     def _exit_status(self) -> str:
-        self.process.join(5)
-        code = self.process.exitcode
-        if code is None:
-            return "still running"
-        return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+        return exit_status(self.process)
 
     def shutdown(self) -> None:
         self._finalizer()

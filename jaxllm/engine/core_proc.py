@@ -124,10 +124,7 @@ def run_engine_core(config, commands, outputs, setup=None, log_level=logging.INF
     try:
         EngineCoreProc(engine, commands, outputs).run()
     except BaseException as e:  # noqa: BLE001 - a failed step kills the engine
-        try:
-            outputs.send(("failed", *_describe(e)))
-        except OSError:
-            pass
+        send_failure(outputs, e)
         raise SystemExit(1)
 
 
@@ -199,6 +196,23 @@ class EngineCoreProc:
         if any(command[0] == "shutdown" for command in commands):
             return None
         return commands
+
+
+def send_failure(outputs, e: BaseException) -> None:
+    """("failed", ...) to the other process, if it is still there to read it."""
+    try:
+        outputs.send(("failed", *_describe(e)))
+    except OSError:
+        pass
+
+
+def exit_status(process) -> str:
+    """How a spawned engine process ended, in words (waits up to 5 s for it)."""
+    process.join(5)
+    code = process.exitcode
+    if code is None:
+        return "still running"
+    return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
 
 
 def _describe(e: BaseException) -> tuple[BaseException | None, str]:
