@@ -136,7 +136,9 @@ class LLM:
 
 def _multiprocessing() -> bool:
     """JAXLLM_ENABLE_MULTIPROCESSING=1 (vLLM's VLLM_ENABLE_V1_MULTIPROCESSING): the engine
-    core in a process of its own (engine/core_mp.py); off by default."""
+    core in a process of its own (engine/core_mp.py); off by default. The process is
+    spawned, so a script that builds an LLM guards it with ``if __name__ ==
+    "__main__":`` (Python's rule for spawn, as under vLLM)."""
     value = os.environ.get("JAXLLM_ENABLE_MULTIPROCESSING", "0")
     if value not in ("0", "1"):
         raise ValueError(f"JAXLLM_ENABLE_MULTIPROCESSING={value!r}: must be 0 or 1")
