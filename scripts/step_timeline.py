@@ -22,10 +22,27 @@ def _kind(prefill_tokens: int, decode_rows: int) -> str:
 
 def timed_run(llm, prompts, params) -> tuple[float, list, dict]:
     """llm.generate(prompts, params) with each schedule recorded: (wall seconds,
-    outputs, summary)."""
-    scheduler = llm.llm_engine.scheduler
+    outputs, summary). The recorder goes where the engine core runs (this process or
+    its own, through call_utility); perf_counter is the system's monotonic clock, the
+    same in both processes."""
+    core = llm.llm_engine.engine_core
+    core.call_utility(_record)
+    try:
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - t0
+    finally:
+        steps = core.call_utility(_stop_recording)
+    return seconds, outs, summarize(steps, t0 + seconds)
+
+
+_STEPS: list[tuple[float, int, int, int]] = []    # (time, prefill tokens, decode rows, ctx)
+
+
+def _record(core) -> None:
+    scheduler = core.scheduler
     real = scheduler.schedule
-    steps: list[tuple[float, int, int, int]] = []    # (time, prefill tokens, decode rows, ctx)
+    _STEPS.clear()
 
     def schedule(*a, **k):
         so = real(*a, **k)
@@ -38,16 +55,18 @@ def timed_run(llm, prompts, params) -> tuple[float, list, dict]:
             else:
                 prefill += n
         if so.scheduled:
-            steps.append((time.perf_counter(), prefill, decode, ctx))
+            _STEPS.append((time.perf_counter(), prefill, decode, ctx))
         return so
+    schedule.real = real
     scheduler.schedule = schedule
-    try:
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        seconds = time.perf_counter() - t0
-    finally:
-        scheduler.schedule = real
-    return seconds, outs, summarize(steps, t0 + seconds)
+
+
+def _stop_recording(core) -> list:
+    scheduler = core.scheduler
+    scheduler.schedule = scheduler.schedule.real
+    steps = list(_STEPS)
+    _STEPS.clear()
+    return steps
 
 
 def summarize(steps: list[tuple[float, int, int, int]], end: float) -> dict:
