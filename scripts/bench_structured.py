@@ -159,21 +159,18 @@ def core_set_tokenizer(core, vocab: int, eos: int) -> None:
     core.structured_output_manager.set_tokenizer(qwen_lltokenizer(vocab, eos))
 
 
-def core_configure(core, si, threads, upload="mask", accept_rows=None) -> None:
+def core_configure(core, si, threads, upload, accept_rows) -> None:
     """What the manager sets once a constrained request came; upload "engine": the
     mask thread hands back the host array and the engine thread uploads it as it
-    launches the sampler; accept_rows: the manager's PARALLEL_ACCEPT_ROWS (None: its
-    default)."""
+    launches the sampler; accept_rows: the manager's PARALLEL_ACCEPT_ROWS."""
     from jaxllm.structured_output import manager as manager_module
     executor, som = core.executor, core.structured_output_manager
     _ORIGINAL.setdefault("upload", executor.upload_bitmask)
-    _ORIGINAL.setdefault("accept", manager_module.PARALLEL_ACCEPT_ROWS)
     executor.upload_bitmask = _ORIGINAL["upload"] if upload == "mask" else (lambda m: m)
     som.gil_switch_interval = si
     sys.setswitchinterval(si)
     som.set_mask_threads(threads)
-    manager_module.PARALLEL_ACCEPT_ROWS = _ORIGINAL["accept"] if accept_rows is None \
-        else accept_rows
+    manager_module.PARALLEL_ACCEPT_ROWS = accept_rows
 
 
 def core_counters(core) -> dict:

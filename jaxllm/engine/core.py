@@ -36,10 +36,20 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
+class SampleResult:
+    """A sampled token as the runner reads it back (and the engine process sends it)."""
+    token_id: int
+    logprob: float
+    rank: int
+    top_ids: list[int] | None = None      # best first, MAX_LOGPROBS long
+    top_logprobs: list[float] | None = None
+
+
+@dataclass
 class EngineCoreOutputs:
     """One step's results: (Request, SampleResult) for each request that got a new
     token, and prompt logprob rows by request id."""
-    sampled: list[tuple[Request, Any]] = field(default_factory=list)
+    sampled: list[tuple[Request, SampleResult]] = field(default_factory=list)
     prompt_logprobs: dict = field(default_factory=dict)
 
 

@@ -30,9 +30,8 @@ import queue
 import signal
 import threading
 import weakref
-from typing import NamedTuple
 
-from jaxllm.engine.core import EngineCoreOutputs
+from jaxllm.engine.core import EngineCoreOutputs, SampleResult
 from jaxllm.engine.core_client import _remote_error
 from jaxllm.engine.core_proc import LOG_FORMAT, _describe, exit_status, send_failure
 from jaxllm.engine.request import Request, RequestStatus
@@ -43,16 +42,6 @@ logger = logging.getLogger(__name__)
 _STATUSES = (None, RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED,
              RequestStatus.FINISHED_ABORTED)
 _CODES = {status: code for code, status in enumerate(_STATUSES) if status is not None}
-
-
-class SampleRecord(NamedTuple):
-    """A sampled token as the OutputProcessor reads it (the runner's SampleResult's
-    fields), without importing the runner (and jax) here."""
-    token_id: int
-    logprob: float
-    rank: int
-    top_ids: list[int] | None
-    top_logprobs: list[float] | None
 
 
 def pack(outputs: EngineCoreOutputs) -> list[tuple]:
@@ -165,7 +154,6 @@ class EngineCoreMPClient:
         self._queued: list[tuple] = []              # commands not sent yet
         self.stats = None
         self.structured_output_manager = None      # the LLMEngine's, for checks only
-        self.async_scheduling = config.scheduler.async_scheduling
         self._finalizer = weakref.finalize(self, _stop, self.process, self._commands)
 
     def wait_until_ready(self):
@@ -240,7 +228,7 @@ class EngineCoreMPClient:
             if code:   # a step's every record of it carries its status after the step
                 request.status, request.stop_reason = _STATUSES[code], stop_reason
                 finished.append(rid)
-            sampled.append((request, SampleRecord(token, logprob, rank, top_ids, top_lps)))
+            sampled.append((request, SampleResult(token, logprob, rank, top_ids, top_lps)))
         for rid in finished:      # after the step's other tokens of it (speculation)
             requests.pop(rid, None)
 

@@ -70,8 +70,8 @@ class LLMEngine:
     def _in_process(self) -> "LLMEngine":
         if self.executor is None:
             raise RuntimeError("the engine core runs in a process of its own "
-                               "(JAXLLM_ENABLE_MULTIPROCESSING=1): its scheduler and "
-                               "runner are not reachable from here")
+                               "(JAXLLM_ENABLE_MULTIPROCESSING=1): its scheduler, "
+                               "runner and settings are not reachable from here")
         return self
 
     def shutdown(self) -> None:
@@ -81,11 +81,11 @@ class LLMEngine:
 
     @property
     def async_scheduling(self) -> bool:
-        return self.engine_core.async_scheduling
+        return self._in_process().engine_core.async_scheduling
 
     @async_scheduling.setter
     def async_scheduling(self, value: bool) -> None:
-        self.engine_core.async_scheduling = value
+        self._in_process().engine_core.async_scheduling = value
 
     @property
     def model_name(self) -> str:

@@ -7,16 +7,8 @@ from typing import Any
 
 import jax
 
+from jaxllm.engine.core import SampleResult
 from jaxllm.runner import input_batch
-
-
-@dataclass
-class SampleResult:
-    token_id: int
-    logprob: float
-    rank: int
-    top_ids: list[int] | None = None      # best first, MAX_LOGPROBS long
-    top_logprobs: list[float] | None = None
 
 
 @dataclass
