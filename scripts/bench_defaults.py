@@ -183,7 +183,7 @@ def engine_runs(args, prefix_caching: bool) -> dict:
     vocab = read_hf_config(args.model)["vocab_size"]
     llm = LLM(args.model, load_format="dummy", dtype="bfloat16", max_model_len=4096,
               max_num_seqs=256, enable_prefix_caching=prefix_caching)
-    args.num_prompts = 1000
+    args.num_prompts, args.timeline = 1000, False     # what bench_h200's workloads read
     res = {}
     if prefix_caching:    # `latency` on the fresh engine, as bench_h200 runs it
         res["sampled_latency"] = bench_sampled_latency(llm, vocab, args.repeat)

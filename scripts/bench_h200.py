@@ -21,6 +21,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+import step_timeline  # noqa: E402 - beside this script
+
 ROOFLINE_NOTE = {
     "latency": "vLLM H200 CI 833 ms; roofline ~480 ms",
     "decode-1": "roofline ~268 tok/s",
@@ -79,13 +81,13 @@ def bench_decode1(llm, vocab, args):
     engine = llm.llm_engine
     if engine.executor is None:     # the engine core in its own process: no internals
         return res
-    res.update(**step_breakdown(llm), host_ms=host_timing(llm, prompts, params))
+    res.update(**step_breakdown(llm), host_ms=step_timeline.host_timing(llm, prompts, params))
     if engine.async_scheduling:      # the same engine stepping one step at a time
         engine.async_scheduling = False
         try:
             t_sync, _ = timed_generate(llm, prompts, params)
             res["sync_output_tok_s"] = 512 / t_sync
-            res["sync_host_ms"] = host_timing(llm, prompts, params)
+            res["sync_host_ms"] = step_timeline.host_timing(llm, prompts, params)
         finally:
             engine.async_scheduling = True
     if args.profile:   # the engine's own steps: device busy vs idle
@@ -105,33 +107,6 @@ def step_breakdown(llm):
     return {"bare_step_ms_pipelined": t["step_ms_queued"], "bare_step_ms_synced": t["step_ms_synced"]}
 
 
-def host_timing(llm, prompts, params) -> dict:
-    """Mean host milliseconds per engine step: launching a step (schedule, inputs,
-    dispatch), waiting for the step read back, and the rest of the step."""
-    engine, runner = llm.llm_engine, llm.llm_engine.runner
-    spans = {"launch": [], "wait": [], "step": [], "model_dispatch": [], "sample_dispatch": []}
-    real = runner.execute_model, runner.get_output, engine.step, runner.launch_step, runner.sample_step
-
-    def timed(name, fn):
-        def call(*a, **k):
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                spans[name].append(time.perf_counter() - t0)
-        return call
-    runner.execute_model, runner.get_output = timed("launch", real[0]), timed("wait", real[1])
-    engine.step = timed("step", real[2])
-    runner.launch_step = timed("model_dispatch", real[3])
-    runner.sample_step = timed("sample_dispatch", real[4])
-    try:
-        llm.generate(prompts, params, use_tqdm=False)
-    finally:
-        (runner.execute_model, runner.get_output, engine.step, runner.launch_step,
-         runner.sample_step) = real
-    return {k: round(1000 * statistics.mean(v), 4) for k, v in spans.items() if v}
-
-
 # Bare steps profiled with --profile: label -> (batch, context, new tokens per sequence).
 PROFILE_SHAPES = {"decode b1 ctx600": (1, 600, 1), "decode b8 ctx100": (8, 100, 1),
                   "decode b256 ctx1100": (256, 1100, 1), "prefill 4x1024": (4, 0, 1024)}
@@ -146,8 +121,7 @@ def bench_throughput(llm, vocab, args):
     timed_generate(llm, prompts[:64], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     timeline = None
     if args.timeline:       # the schedule of every step recorded (step_timeline.py)
-        from step_timeline import timed_run
-        t, outs, timeline = timed_run(llm, prompts, params)
+        t, outs, timeline = step_timeline.timed_run(llm, prompts, params)
     else:
         t, outs = timed_generate(llm, prompts, params)
     out_toks = sum(len(o.outputs[0].token_ids) for o in outs)

@@ -8,9 +8,12 @@ cycle, where that is longer): each span is counted to the step before it.
 
     from step_timeline import timed_run
     seconds, outs, summary = timed_run(llm, prompts, params)
+
+``host_timing`` (the engine in this process): the host's time per step by part.
 """
 from __future__ import annotations
 
+import statistics
 import time
 
 
@@ -103,3 +106,30 @@ def summarize(steps: list[tuple[float, int, int, int]], end: float) -> dict:
     for p in phases:
         p["seconds"] = round(p["seconds"], 3)
     return {"by_kind": by_kind, "num_phases": len(phases), "phases": phases[:40]}
+
+
+def host_timing(llm, prompts, params) -> dict:
+    """Mean host milliseconds per engine step: launching a step (schedule, inputs,
+    dispatch), waiting for the step read back, and the rest of the step."""
+    engine, runner = llm.llm_engine, llm.llm_engine.runner
+    spans = {"launch": [], "wait": [], "step": [], "model_dispatch": [], "sample_dispatch": []}
+    real = runner.execute_model, runner.get_output, engine.step, runner.launch_step, runner.sample_step
+
+    def timed(name, fn):
+        def call(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spans[name].append(time.perf_counter() - t0)
+        return call
+    runner.execute_model, runner.get_output = timed("launch", real[0]), timed("wait", real[1])
+    engine.step = timed("step", real[2])
+    runner.launch_step = timed("model_dispatch", real[3])
+    runner.sample_step = timed("sample_dispatch", real[4])
+    try:
+        llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        (runner.execute_model, runner.get_output, engine.step, runner.launch_step,
+         runner.sample_step) = real
+    return {k: round(1000 * statistics.mean(v), 4) for k, v in spans.items() if v}
