@@ -136,16 +136,27 @@ def host_profile(runner, arrays, decode_only, iters=10, top=40, keep=None,
 
 def profile_engine(llm, prompts, params, steps: int, top=12) -> dict:
     """The whole engine (scheduling, sampling, host work) over one generate call:
-    device kernel time and span per engine step; span - kernels = device idle."""
+    device kernel time and span per engine step (span - kernels = device idle), the
+    run's wall per step, and where the device idles (idle_gaps). Python is not
+    traced: its tracer tripled a 256-row step's wall time."""
     import jax
+    from idle_gaps import idle_gaps
     folder = tempfile.mkdtemp(prefix="jaxllm-trace-")
-    with jax.profiler.trace(folder):
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0
+    with jax.profiler.trace(folder, profiler_options=options):
+        t0 = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
+        wall = time.perf_counter() - t0
     path = _trace_file(folder)
     if path is None:
         return {"error": f"no trace written under {folder}"}
     with gzip.open(path) as f:
-        return summarize(json.load(f)["traceEvents"], steps, top)
+        events = json.load(f)["traceEvents"]
+    res = summarize(events, steps, top)
+    res["wall_ms_per_step"] = 1000 * wall / steps
+    res["idle"] = idle_gaps(events, _gpu_pids(events), steps, top=top)
+    return res
 
 
 def summarize(events, iters, top=12) -> dict:
