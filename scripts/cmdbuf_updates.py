@@ -1,0 +1,132 @@
+"""Which launches of the model step make XLA update its CUDA graph, and what a launch
+costs the host then.
+
+XLA runs a step as a command buffer (a CUDA graph) and, before a launch, records
+again ("command_buffer::update") the commands that read a buffer whose address
+changed since the last launch. This launches the engine's decode step under several
+address patterns and reads, from a host trace of each, the updates per launch and
+their time, the graph launch's time, and the host time of the whole call:
+
+  same          the same packed inputs every launch, nothing else between
+  fresh         new packed inputs every launch, each launch waited for (the last
+                inputs freed before the next are made)
+  engine        as the engine: new inputs, the sampler after each step, two steps
+                in flight
+  engine_same   as `engine` but the same packed inputs every launch
+  no_sampler    as `engine` without the sampler (new inputs, two in flight)
+
+    python3 scripts/cmdbuf_updates.py [--model configs/models/llama-3.1-8b] [--rows 1,256]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+SPANS = ("command_buffer::update", "command_buffer::execute", "cuGraphLaunch",
+         "PjitFunction(jit(forward))", "PjitFunction(jit(sample_into))")
+
+
+def host_spans(fn, n: int) -> dict:
+    """fn() run n times under a trace without Python tracing: SPANS per launch
+    (count, mean us) from the host events."""
+    import jax
+    folder = tempfile.mkdtemp(prefix="jaxllm-cmdbuf-")
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0
+    with jax.profiler.trace(folder, profiler_options=options):
+        for _ in range(n):
+            fn()
+        fn(final=True)
+    path = glob.glob(os.path.join(folder, "plugins", "profile", "*", "*.trace.json.gz"))[0]
+    with gzip.open(path) as f:
+        events = json.load(f)["traceEvents"]
+    found = collections.defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X" and "dur" in e:
+            name = str(e["name"])
+            for s in SPANS:
+                if name.startswith(s):
+                    found[s].append(e["dur"])
+    return {s: (round(len(v) / n, 2), round(statistics.mean(v), 1)) for s, v in found.items()}
+
+
+def regimes(runner, rows: int, ctx: int, n: int) -> dict:
+    import jax
+    from step_profile import step_arrays
+    from jaxllm.runner.sampler import warm_up_variants
+    from jaxllm.runner.sampling_rows import dummy_metadata
+    arrays, decode_only = step_arrays(runner, rows, ctx)
+    same = runner.pack_inputs(arrays, decode_only)
+    flags = warm_up_variants()[0]
+    state = {"inflight": []}
+
+    def launch(inputs, sample: bool, sync: bool, final=False):
+        t0 = time.perf_counter()
+        logits = runner.launch_packed(inputs)
+        state["host"].append(time.perf_counter() - t0)
+        out = logits     # (the pool is donated to the next step)
+        if sample:
+            s = logits.shape[0]
+            out = runner.sample_step(logits, dummy_metadata(s), flags)
+        if sync or final:
+            jax.block_until_ready((out, runner.kv_caches))
+            state["inflight"] = []
+        else:   # two steps in flight, as the engine keeps them
+            state["inflight"] = (state["inflight"] + [out])[-2:]
+            jax.block_until_ready(state["inflight"][0])
+
+    patterns = {
+        "same": lambda final=False: launch(same, False, True, final),
+        "fresh": lambda final=False: launch(runner.pack_inputs(arrays, decode_only), False,
+                                            True, final),
+        "engine": lambda final=False: launch(runner.pack_inputs(arrays, decode_only), True,
+                                             False, final),
+        "engine_same": lambda final=False: launch(same, True, False, final),
+        "no_sampler": lambda final=False: launch(runner.pack_inputs(arrays, decode_only),
+                                                 False, False, final),
+    }
+    res = {}
+    for name, fn in patterns.items():
+        for _ in range(3):
+            state["host"] = []
+            fn(final=True)       # compiled, graphs built
+        state["host"] = []
+        spans = host_spans(fn, n)
+        res[name] = {"host_us_per_launch": round(1e6 * statistics.median(state["host"]), 1),
+                     **{k: {"per_launch": c, "mean_us": d} for k, (c, d) in spans.items()}}
+        print(f"rows {rows} {name}: {json.dumps(res[name])}", flush=True)
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="configs/models/llama-3.1-8b")
+    ap.add_argument("--rows", default="1,256")
+    ap.add_argument("--ctx", type=int, default=256)
+    ap.add_argument("--launches", type=int, default=30)
+    ap.add_argument("--compile-cache", metavar="DIR")
+    args = ap.parse_args()
+    from jaxllm import LLM
+    llm = LLM(args.model, load_format="dummy", dtype="bfloat16", max_model_len=2048,
+              enforce_eager=True, compilation_cache_dir=args.compile_cache)
+    runner = llm.llm_engine.runner
+    res = {r: regimes(runner, int(r), args.ctx, args.launches) for r in args.rows.split(",")}
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "cmdbuf_updates.json"), "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
