@@ -13,9 +13,14 @@ their time, the graph launch's time, and the host time of the whole call:
   engine        as the engine: new inputs, the sampler after each step, two steps
                 in flight
   engine_same   as `engine` but the same packed inputs every launch
-  no_sampler    as `engine` without the sampler (new inputs, two in flight)
 
     python3 scripts/cmdbuf_updates.py [--model configs/models/llama-3.1-8b] [--rows 1,256]
+        [--vlog]
+
+--vlog turns on XLA's command-buffer logging and reads, per pattern, how many of a
+graph's commands each update recorded again and how many it skipped (their buffers
+unchanged): a few commands mean only the changed inputs' readers, all of them a
+moved temporary buffer.
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ import glob
 import gzip
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -61,7 +67,48 @@ def host_spans(fn, n: int) -> dict:
     return {s: (round(len(v) / n, 2), round(statistics.mean(v), 1)) for s, v in found.items()}
 
 
-def regimes(runner, rows: int, ctx: int, n: int) -> dict:
+UPDATED = re.compile(r"Updated (\d+) commands in (\d+) .*?s \(skipped (\d+) command")
+
+
+class VLog:
+    """XLA's log (fd 2) into a file, read pattern by pattern."""
+
+    def __init__(self):
+        os.environ["TF_CPP_VMODULE"] = ("command_buffer_thunk=3,command_buffer_cmd=1,"
+                                        "command_executor=1")
+        os.environ["TF_CPP_MIN_LOG_LEVEL"] = "0"
+        self.path = tempfile.mktemp(prefix="jaxllm-vlog-")
+        self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        self.saved = os.dup(2)
+        os.dup2(self.fd, 2)
+        self.offset = 0
+
+    def updates(self) -> dict:
+        """Since the last call: per graph size, updates, mean commands recorded and
+        skipped, mean us."""
+        with open(self.path, errors="replace") as f:
+            f.seek(self.offset)
+            text = f.read()
+            self.offset = f.tell()
+        by = collections.defaultdict(list)
+        for m in UPDATED.finditer(text):
+            n, us, skipped = map(int, m.groups())
+            by[n].append((n - skipped, skipped, us))
+        allocs = [int(x) for x in re.findall(r"updated_allocs=(\d+)", text)]
+        out = {"thunk_updates": text.count("Update command buffer"),
+               "thunk_executes": text.count("Execute command buffer"),
+               "updated_allocs": dict(collections.Counter(allocs))}
+        return out | {f"{n} commands": {"updates": len(v),
+                                  "recorded": round(statistics.mean(x[0] for x in v), 1),
+                                  "skipped": round(statistics.mean(x[1] for x in v), 1),
+                                  "us": round(statistics.mean(x[2] for x in v), 1)}
+                for n, v in by.items()}
+
+    def say(self, line: str) -> None:
+        os.write(self.saved, (line + "\n").encode())
+
+
+def regimes(runner, rows: int, ctx: int, n: int, vlog=None) -> dict:
     import jax
     from step_profile import step_arrays
     from jaxllm.runner.sampler import warm_up_variants
@@ -75,7 +122,7 @@ def regimes(runner, rows: int, ctx: int, n: int) -> dict:
         t0 = time.perf_counter()
         logits = runner.launch_packed(inputs)
         state["host"].append(time.perf_counter() - t0)
-        out = logits     # (the pool is donated to the next step)
+        out = logits     # (the pool and the logits are donated to the next step)
         if sample:
             s = logits.shape[0]
             out = runner.sample_step(logits, dummy_metadata(s), flags)
@@ -93,8 +140,6 @@ def regimes(runner, rows: int, ctx: int, n: int) -> dict:
         "engine": lambda final=False: launch(runner.pack_inputs(arrays, decode_only), True,
                                              False, final),
         "engine_same": lambda final=False: launch(same, True, False, final),
-        "no_sampler": lambda final=False: launch(runner.pack_inputs(arrays, decode_only),
-                                                 False, False, final),
     }
     res = {}
     for name, fn in patterns.items():
@@ -102,6 +147,14 @@ def regimes(runner, rows: int, ctx: int, n: int) -> dict:
             state["host"] = []
             fn(final=True)       # compiled, graphs built
         state["host"] = []
+        if vlog is not None:
+            vlog.updates()
+            for _ in range(n):
+                fn()
+            fn(final=True)
+            res[name] = {"vlog": vlog.updates()}
+            vlog.say(f"rows {rows} {name}: {json.dumps(res[name])}")
+            continue
         spans = host_spans(fn, n)
         res[name] = {"host_us_per_launch": round(1e6 * statistics.median(state["host"]), 1),
                      **{k: {"per_launch": c, "mean_us": d} for k, (c, d) in spans.items()}}
@@ -116,12 +169,15 @@ def main():
     ap.add_argument("--ctx", type=int, default=256)
     ap.add_argument("--launches", type=int, default=30)
     ap.add_argument("--compile-cache", metavar="DIR")
+    ap.add_argument("--vlog", action="store_true")
     args = ap.parse_args()
+    vlog = VLog() if args.vlog else None
     from jaxllm import LLM
     llm = LLM(args.model, load_format="dummy", dtype="bfloat16", max_model_len=2048,
               enforce_eager=True, compilation_cache_dir=args.compile_cache)
     runner = llm.llm_engine.runner
-    res = {r: regimes(runner, int(r), args.ctx, args.launches) for r in args.rows.split(",")}
+    res = {r: regimes(runner, int(r), args.ctx, args.launches, vlog)
+           for r in args.rows.split(",")}
     out = os.environ.get("OUT")
     if out:
         with open(os.path.join(out, "cmdbuf_updates.json"), "w") as f:

@@ -83,7 +83,7 @@ def _pipelined(runner, arrays, decode_only, md, flags, fn, n=60) -> dict:
         if fn is None:
             out = runner.sample_step(logits, md, flags)
         else:
-            out, token_buf = fn(logits, md, flags, token_buf)
+            token_buf, out = fn(logits, md, flags, token_buf)
         model_t.append(t1 - t0)
         sample_t.append(time.perf_counter() - t1)
     jax.block_until_ready(out)
@@ -198,15 +198,14 @@ def _sampler_figures(runner, vocab) -> dict:
         res[f"sample_{name}_launch_us"] = _host_launch_us(
             lambda: runner.sample_step(logits, md, flags))
     # As in the engine: each step queued behind the last, its sampler on its new logits;
-    # the runner's sampler, and the same program compiled without command buffers or
-    # with the token buffer donated (its address then stays put).
+    # the runner's sampler (its token buffer donated), and the same program compiled
+    # without command buffers.
     from jaxllm.runner.step_fn import sample_into
     arrays, decode_only = step_profile.step_arrays(runner, 8, 100)
     samplers = {
         "runner": None,
-        "no_cmdbuf": jax.jit(sample_into, static_argnums=(2,),
-                             compiler_options={"xla_gpu_enable_command_buffer": ""}),
-        "donated_buf": jax.jit(sample_into, static_argnums=(2,), donate_argnums=(3,))}
+        "no_cmdbuf": jax.jit(sample_into, static_argnums=(2,), donate_argnums=(3,),
+                             compiler_options={"xla_gpu_enable_command_buffer": ""})}
     for name, params in (("greedy", [SamplingParams(temperature=0)] * 8), ("filters", filt)):
         md, flags = sampling_rows.from_params(params, [0] * 8, None, None, 8, vocab)
         for sname, fn in samplers.items():

@@ -5,8 +5,9 @@ program read from disk.
 
 A program read from a file (the store, or jax's persistent cache) that fails its first
 run is treated as a corrupt entry: removed from the store, compiled again, logged
-once. A step that failed had the KV pool donated to it: the runner allocates a new
-one and KVCacheLostError tells the engine core to have every request recompute.
+once. A step that failed had the KV pool donated to it, a sampler the buffer of the
+last samples: the runner allocates them anew and KVCacheLostError tells the engine
+core to have every request recompute.
 """
 from __future__ import annotations
 
@@ -168,8 +169,8 @@ def first_requests_only(plan, prompt_tokens: int = 64):
 
 class CompilationManager:
     """name -> compiled program for dispatch: ("step", T, S, decode_only) and
-    ("sample", S, flags). `rebuild(name)` gives a name's Program again (for a step,
-    after the runner allocated a new pool)."""
+    ("sample", S, flags). `rebuild(name)` gives a name's Program again (after the
+    runner allocated anew the buffers the failed run took)."""
 
     def __init__(self, store: ExecutableStore | None, compile_workers: int, load_workers: int,
                  rebuild: Callable[[tuple], Program], check_first_runs: bool = True):
@@ -298,10 +299,9 @@ class CompilationManager:
             if key not in self.unverified or key in self.replaced:
                 raise
             self.replace(key, str(e))
-        if key[0] == "step":     # the pool was donated to the failed run
-            raise KVCacheLostError(f"the KV pool was donated to {key}'s failed run and "
-                                   "is allocated anew")
-        return self.call(key, args, jitted, jit_args)
+        # The failed run took the donated buffers: a step's pool, the sampler's tokens.
+        raise KVCacheLostError(f"the buffers donated to {key}'s failed run (the KV pool "
+                               "or the sampled tokens) are allocated anew")
 
     def replace(self, key: tuple, reason: str) -> None:
         """Drop a program read from a file that failed its first run (and its store

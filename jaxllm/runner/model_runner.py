@@ -17,7 +17,6 @@ import functools
 import logging
 import os
 import time
-from dataclasses import dataclass
 
 import jax
 import numpy as np
@@ -30,10 +29,10 @@ from jaxllm.parallel import distributed, mesh as mesh_lib
 from jaxllm.runner import executable_store, input_batch, kv_cache, sampling_rows
 from jaxllm.runner.buckets import BucketPlan
 from jaxllm.runner.compilation import CompilationManager, Program, first_requests_only
-from jaxllm.runner.step_fn import dummy_arrays, step_compiler_options
+from jaxllm.runner.step_fn import LogitsBuffers, dummy_arrays, step_compiler_options
 # Module names of their own: tests spy on them (one call is one trace).
 from jaxllm.runner.step_fn import forward as _forward, sample_into as _sample_into
-from jaxllm.runner.step_inputs import StepInputs, put_replicated
+from jaxllm.runner.step_inputs import InputStager, StepInputs, put_replicated
 from jaxllm.runner.step_output import StepHandle, read_back, start_copies
 from jaxllm.runner.sampler import SamplerOutput, warm_up_variants
 from jaxllm.runner.sampling_rows import dummy_metadata
@@ -56,7 +55,9 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.plan = BucketPlan.build(max_num_batched_tokens, input_batch.max_rows(config))
         mesh_lib.validate_tp(self.arch.num_heads, self.arch.num_kv_heads, mesh.size)  # TP
-        backend = self._backend()
+        backend = config.attention_backend
+        if backend == "auto":
+            backend = "pallas" if jax.devices()[0].platform == "gpu" else "reference"
         self.spec = AttentionSpec(
             sm_scale=self.arch.head_dim ** -0.5, backend=backend,
             sliding_window=self.arch.sliding_window, mesh=mesh,
@@ -66,18 +67,19 @@ class ModelRunner:
         self.kv_caches = self.last_hidden = None
         self.num_blocks = 0
         self._replicated = mesh_lib.replicated(mesh)
-        self._token_buf = jax.device_put(np.zeros(self.plan.max_seqs, np.int32),
-                                         self._replicated)
+        self._token_buf = self._new_token_buf()
+        self.logits_bufs = LogitsBuffers(self.arch.vocab_size, self._replicated, self.plan)
+        self._stager = InputStager()
         self._prev_rows: dict[str, int] = {}   # request id -> its row in _token_buf
         self._row_entries: dict[str, sampling_rows.RowEntry] = {}   # by request id
         self._leaves, treedef = jax.tree.flatten(self.state)
         forward = functools.partial(_forward, self.graphdef, treedef, self.spec, hidden_layers)
         options = step_compiler_options(self._leaves)
-        self._step = jax.jit(forward, donate_argnums=(1,), out_shardings=self._out_shardings(),
-                             compiler_options=options)
+        self._step = jax.jit(forward, donate_argnums=(1, 4),   # the pool, LogitsBuffers
+                             out_shardings=self._out_shardings(), compiler_options=options)
         # Compiled on first use, for the rare steps that carry prompt_logprobs requests.
         self._step_prompt = jax.jit(forward, donate_argnums=(1,), compiler_options=options)
-        self._sample = jax.jit(_sample_into, static_argnums=(2,))
+        self._sample = jax.jit(_sample_into, static_argnums=(2,), donate_argnums=(3,))
         self.store = self._open_store(treedef, options)
         # The warm-up's compiled programs, called directly; anything else goes through
         # the jits above. Deserializing holds the GIL on the CPU backend
@@ -88,9 +90,8 @@ class ModelRunner:
                                               jax.process_count() == 1)
 
     def _open_store(self, treedef, options) -> executable_store.ExecutableStore | None:
-        """The executable store, when a compilation cache folder is configured and
-        jax's cache is not capped at 0; not with several processes (unverified there:
-        the tests run one process)."""
+        """The executable store, when a compilation cache folder is configured and jax's
+        cache is not capped at 0; not with several processes (unverified there)."""
         if (self.config.compilation_cache_dir is None or jax.process_count() > 1
                 or executable_store.max_bytes() == 0):
             return None
@@ -98,7 +99,7 @@ class ModelRunner:
         static = [repr(self.arch), repr(self.spec), str(treedef),
                   executable_store.signature(self._leaves), repr(self.plan),
                   f"block_size={self.block_size} kv_dtype={kv_dtype} max_model_len="
-                  f"{self.max_model_len} step donates (1,), out_shardings="
+                  f"{self.max_model_len} step donates (1, 4), sampler (3,), out_shardings="
                   f"{self._out_shardings()}"]
         # (keys unchanged for float steps and without EAGLE)
         static += [f"step compiler options {options}"] * (options is not None)
@@ -112,12 +113,6 @@ class ModelRunner:
         the pool split by KV head, an EAGLE head's states whole."""
         out = (self._replicated, mesh_lib.kv_cache_sharding(self.mesh))
         return out + (self._replicated,) * (self.hidden_layers is not None)
-
-    def _backend(self) -> str:
-        backend = self.config.attention_backend
-        if backend == "auto":
-            backend = "pallas" if jax.devices()[0].platform == "gpu" else "reference"
-        return backend
 
     # ------------------------------------------------------------ KV pool
     def initialize_kv_cache(self, draft_per_block: int = 0,
@@ -144,7 +139,9 @@ class ModelRunner:
             if not self.config.enforce_eager:
                 programs += self.warm_up_programs(pool)
             self.compilation.queue_programs(num_blocks, programs)
-            return self.compilation.queue.result(("step", t, s, False)).peak_bytes
+            peak = self.compilation.queue.result(("step", t, s, False)).peak_bytes
+            # The smaller buckets' logits buffers stay on the device beside this step.
+            return None if peak is None else peak + self.logits_bufs.extra_bytes()
 
         if limit is not None and cache_cfg.num_gpu_blocks_override is None:
             report = kv_cache.fit_to_device(
@@ -194,9 +191,9 @@ class ModelRunner:
         inputs = self.pack_inputs(arrays, decode_only)
         kv_caches = self.kv_caches if kv_caches is None else kv_caches
         args = (self._leaves, kv_caches, self._token_buf, inputs)
-        if "prompt_targets" in arrays:
-            args += (jax.device_put(arrays["prompt_targets"], self._replicated),)
-        return args
+        if "prompt_targets" in arrays:      # (_step_prompt: a new logits array)
+            return args + (None, jax.device_put(arrays["prompt_targets"], self._replicated))
+        return args + (self.logits_bufs.spec(inputs.num_seqs),)
 
     def launch_step(self, arrays: dict, decode_only: bool, prompt_targets=None):
         """The step's logits (with prompt_targets: and its prompt logprobs); an EAGLE
@@ -209,13 +206,15 @@ class ModelRunner:
         return self.launch_packed(self.pack_inputs(arrays, decode_only))
 
     def pack_inputs(self, arrays: dict, decode_only: bool) -> StepInputs:  # one transfer
-        return StepInputs.pack(arrays, decode_only, self._replicated)
+        return self._stager.stage(StepInputs.pack(arrays, decode_only, self._replicated))
 
     def launch_packed(self, inputs: StepInputs):
         """launch_step on inputs pack_inputs made (benchmarks time the two apart)."""
         key = ("step", inputs.num_tokens, inputs.num_seqs, inputs.decode_only)
-        args = (self._leaves, self.kv_caches, self._token_buf, inputs)
+        args = (self._leaves, self.kv_caches, self._token_buf, inputs,
+                self.logits_bufs.take(inputs.num_seqs))
         logits, self.kv_caches, *hidden = self._call(key, args, self._step, args)
+        self.logits_bufs.put(inputs.num_seqs, logits)
         self.last_hidden = hidden[0] if hidden else None
         return logits
 
@@ -223,14 +222,9 @@ class ModelRunner:
         """The jitted step lowered for host `arrays` (what a call with them runs)."""
         return self._step.lower(*self._step_args(arrays, decode_only))
 
-    def remember_rows(self, scheduled) -> None:
-        """Which row of the device's sample buffer holds each sampling request's token
-        (the next step's inputs name the tokens not read back yet by those rows)."""
-        self._prev_rows = {r.request_id: i for i, r in enumerate(scheduled) if r.do_sample}
-
     def sample_step(self, logits, md, flags, bitmask=None) -> SamplerOutput:
         extra = () if bitmask is None else (bitmask,)
-        out, self._token_buf = self._call(("sample", logits.shape[0], flags),
+        self._token_buf, out = self._call(("sample", logits.shape[0], flags),
                                           (logits, md, self._token_buf, *extra), self._sample,
                                           (logits, md, flags, self._token_buf, *extra))
         return out
@@ -239,12 +233,17 @@ class ModelRunner:
         return self.compilation.call(key, args, jitted, jit_args)
 
     def _rebuild_program(self, key: tuple) -> Program:
-        """A program of the warm-up again, after its copy from disk failed to run (a
-        step's pool, donated to that run, is allocated anew first)."""
+        """A program of the warm-up again, after its copy from disk failed to run (the
+        buffers donated to that run, a step's pool or the sampler's token buffer, are
+        allocated anew first)."""
         if key[0] == "step":
             self.kv_caches = self._allocate_pool()
             return self._step_program(*key[1:])
+        self._token_buf = self._new_token_buf()
         return self._sample_program(key[1], key[2])
+
+    def _new_token_buf(self):
+        return jax.device_put(np.zeros(self.plan.max_seqs, np.int32), self._replicated)
 
     def execute_model(self, scheduler_output, requests: dict, fallback_seeds: dict,
                       defer_sample: bool = False, before_dispatch=None) -> StepHandle | None:
@@ -268,7 +267,9 @@ class ModelRunner:
         else:
             logits = self.launch_step(arrays, decode_only)
         md, flags = sampling or self._sampling_metadata(scheduled, reqs, rows, fallback_seeds)
-        self.remember_rows(scheduled)     # where the next step's inputs find its tokens
+        # Which row of the device's sample buffer holds each sampling request's token:
+        # the next step's inputs name the tokens not read back yet by those rows.
+        self._prev_rows = {r.request_id: i for i, r in enumerate(scheduled) if r.do_sample}
         handle = StepHandle(scheduled, requests, None, flags.num_logprobs, prompt_out,
                             pending=(logits, md, flags), spec=spec, hidden=self.last_hidden)
         if not defer_sample:
@@ -312,14 +313,12 @@ class ModelRunner:
         return self.arch.eos_token_id
 
     # ------------------------------------------------------------ warm-up
-    def _dummy_arrays(self, t: int, s: int) -> dict:
-        return dummy_arrays(t, s, self.max_blocks_per_seq)
-
     def _step_program(self, t: int, s: int, decode_only: bool,
                       kv_caches=None) -> Program:
         """The step for one bucket, lowered with the very arguments a real call passes.
         Its store key leaves out the weights (part of the store's static part)."""
-        args = self._step_args(self._dummy_arrays(t, s), decode_only, kv_caches)
+        args = self._step_args(dummy_arrays(t, s, self.max_blocks_per_seq), decode_only,
+                               kv_caches)
         return Program(("step", t, s, decode_only), args[1:], self._step, args)
 
     def _dummy_logits(self, s: int):
@@ -374,18 +373,19 @@ class ModelRunner:
         dummy runs do; a program read from a file that fails here is compiled again
         (`_call`). It costs 1.0-1.5 s of an 8B start on the H200. Multi-host runs
         skip it: every process would have to run the same programs in step."""
+        def run(key):
+            if key[0] == "step":
+                return self.launch_step(dummy_arrays(key[1], key[2], self.max_blocks_per_seq),
+                                        key[3])
+            bitmask = self._dummy_bitmask(key[1]) if key[2].use_bitmask else None
+            return self.sample_step(self._dummy_logits(key[1]), dummy_metadata(key[1]),
+                                    key[2], bitmask)
         out = None
         for key in sorted(self.compilation.programs, key=str):
-            if key[0] == "step":
-                _, t, s, decode_only = key
-                try:
-                    out = self.launch_step(self._dummy_arrays(t, s), decode_only)
-                except KVCacheLostError:      # replaced; the pool holds nothing yet
-                    out = self.launch_step(self._dummy_arrays(t, s), decode_only)
-            elif key[0] == "sample":
-                bitmask = self._dummy_bitmask(key[1]) if key[2].use_bitmask else None
-                out = self.sample_step(self._dummy_logits(key[1]), dummy_metadata(key[1]),
-                                       key[2], bitmask)
+            try:
+                out = run(key)
+            except KVCacheLostError:   # replaced; its donated buffers held nothing yet
+                out = run(key)
         jax.block_until_ready((out, self.kv_caches))
 
     # ------------------------------------------------------------ swap

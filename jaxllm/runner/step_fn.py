@@ -17,8 +17,9 @@ from jaxllm.sampling_params import MAX_LOGPROBS
 
 
 def forward(graphdef, treedef, spec, hidden_layers, leaves, kv_caches, token_buf,
-            inputs: StepInputs, target_ids=None):
-    """One step: (logits [S, V], kv_caches), then with target_ids i32[T] (each token's
+            inputs: StepInputs, logits_buf=None, target_ids=None):
+    """One step: (logits [S, V], kv_caches), the logits written into `logits_buf`
+    f32[S, V] when given (donated: see LogitsBuffers), then with target_ids i32[T] (each token's
     successor) the raw prompt logprobs (logprob [T], rank [T], top ids [T, K], top
     logprobs [T, K]), then with `hidden_layers` not None (an EAGLE head drafts) the
     states it reads, one row per input token: () the final hidden state [T, E] (after
@@ -36,7 +37,10 @@ def forward(graphdef, treedef, spec, hidden_layers, leaves, kv_caches, token_buf
     else:
         hidden, kv_caches = model(input_ids, positions, kv_caches, md, spec)
         states = hidden
-    out = (model.compute_logits(hidden[logits_indices]), kv_caches)
+    logits = model.compute_logits(hidden[logits_indices])
+    if logits_buf is not None:
+        logits = jax.lax.dynamic_update_slice(logits_buf, logits, (0, 0))
+    out = (logits, kv_caches)
     if target_ids is not None:
         out += (compute_logprobs(model.compute_logits(hidden), target_ids, MAX_LOGPROBS),)
     if hidden_layers is not None:
@@ -45,9 +49,47 @@ def forward(graphdef, treedef, spec, hidden_layers, leaves, kv_caches, token_buf
 
 
 def sample_into(logits, md, flags, token_buf, bitmask=None):
-    """Sample, and keep the sampled ids on the device for the next step's inputs."""
+    """(token_buf with the sampled ids, SamplerOutput): the ids stay on the device for
+    the next step's inputs. token_buf is donated (the same buffer every step, see
+    LogitsBuffers) and comes first: jax gives a donated buffer to the first output of
+    its shape, and the sampled ids of a full-width step have token_buf's."""
     out = sample(logits, md, flags, bitmask)
-    return out, jax.lax.dynamic_update_slice(token_buf, out.token_ids, (0,))
+    return jax.lax.dynamic_update_slice(token_buf, out.token_ids, (0,)), out
+
+
+class LogitsBuffers:
+    """The model step's logits, written in place: one f32[S, V] buffer per sequence
+    bucket, donated to the bucket's next step (the sampler reads it before then; both
+    run in order on the device), as the sampler's token buffer is donated to the next
+    sampler. XLA runs each program as a CUDA graph and, before a launch, records again
+    every command that reads a buffer whose address changed. With a new logits and
+    token buffer each step, the allocations in between moved the step's temporary
+    buffer, and every launch of the engine recorded all of the decode step's commands
+    again: on the H200 1.1 ms of host time per step at 256 rows, 0.57 at one
+    (scripts/cmdbuf_updates.py --vlog). The buffers beside the largest bucket's (which
+    the step's compiled peak holds) are counted in the KV sizing (extra_bytes)."""
+
+    def __init__(self, vocab_size: int, sharding, plan):     # plan: a BucketPlan
+        self.vocab_size, self.sharding = vocab_size, sharding
+        self.seq_buckets = plan.seq_buckets
+        self.buffers: dict[int, jax.Array] = {}
+
+    def spec(self, s: int) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct((s, self.vocab_size), jnp.float32, sharding=self.sharding)
+
+    def take(self, s: int) -> jax.Array:
+        """The bucket's buffer, for a step to donate (zeros the first time)."""
+        buf = self.buffers.pop(s, None)
+        if buf is None:     # made by the runtime (an upload may be host memory it keeps)
+            buf = jnp.zeros((s, self.vocab_size), jnp.float32, device=self.sharding)
+        return buf
+
+    def put(self, s: int, logits: jax.Array) -> None:
+        self.buffers[s] = logits
+
+    def extra_bytes(self) -> int:
+        """Device bytes of every bucket's buffer but the largest."""
+        return 4 * self.vocab_size * (sum(self.seq_buckets) - max(self.seq_buckets))
 
 
 def dummy_arrays(t: int, s: int, max_blocks_per_seq: int) -> dict:

@@ -86,8 +86,11 @@ def test_restart_loads_every_program_and_traces_nothing(first, count_traces):
         assert compiled.donate_argnums == fresh[name].donate_argnums, name
         assert str(compiled.output_shardings) == str(fresh[name].output_shardings), name
     steps = [c for name, c in runner.compilation.programs.items() if name[0] == "step"]
+    samplers = [c for name, c in runner.compilation.programs.items() if name[0] == "sample"]
     num_pool_leaves = 2 * runner.arch.num_layers
-    assert all(len(c.donate_argnums) == num_pool_leaves for c in steps)
+    # The pool and the logits buffer; the sampler's token buffer (step_fn.LogitsBuffers).
+    assert steps and all(len(c.donate_argnums) == num_pool_leaves + 1 for c in steps)
+    assert samplers and all(len(c.donate_argnums) == 1 for c in samplers)
 
 
 def test_folder_kept_under_its_cap_least_recently_used_first(first, tmp_path):

@@ -4,8 +4,8 @@ On XLA:CPU an executable that was deserialized (by jax's persistent cache or by 
 executable store) and serialized again lacks kernels: loading that copy fails on its
 first run ("Function ... not found (type id: 1)"). The store saves fresh compiles
 only, and a stored program that fails its first run is evicted and compiled again;
-for a step, whose KV pool was donated to the failed run, every running request
-computes its KV again. Same tiny Llama and engine settings as test_executable_store."""
+for a step or sampler, whose KV pool or last samples were donated to the failed run,
+every running request computes its KV again. Same tiny Llama and engine settings as test_executable_store."""
 from __future__ import annotations
 
 import json
@@ -46,8 +46,9 @@ def break_stored(cache: str, folder: str, name: tuple) -> str:
 @pytest.mark.parametrize("name", [("step", 4, 4, True), ("sample", 4, "greedy")])
 def test_unrunnable_stored_program_is_compiled_again(first, tmp_path, caplog, name):  # noqa: F811
     """A decode step that fails after the prefill steps filled the pool (their KV is
-    lost: every request computes it again), or the greedy sampler: the same tokens
-    as a cold start, a warning naming the file, and the file rewritten."""
+    lost: every request computes it again), or the greedy sampler (the last samples,
+    donated to it, are lost: the same): the same tokens as a cold start, a warning
+    naming the file, and the file rewritten."""
     folder, cache, cold, _ = first
     copy = str(tmp_path / "xla")
     shutil.copytree(cache, copy)
@@ -62,8 +63,8 @@ def test_unrunnable_stored_program_is_compiled_again(first, tmp_path, caplog, na
         assert many_tokens(llm) == expected
     failed = [r.getMessage() for r in caplog.records if "failed its first run" in r.getMessage()]
     assert len(failed) == 1 and path in failed[0], failed
-    if name[0] == "step":
-        assert llm.llm_engine.scheduler.num_preemptions_total > 0
+    # Its donated buffers (the pool, or the last samples) went to the failed run.
+    assert llm.llm_engine.scheduler.num_preemptions_total > 0
     again = LLM(folder, compilation_cache_dir=copy, **ENGINE)
     assert again.llm_engine.runner.store.loads == NUM_PROGRAMS
     assert many_tokens(again) == expected
