@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import glob
 import gzip
 import json
@@ -115,6 +116,8 @@ def regimes(runner, rows: int, ctx: int, n: int, vlog=None) -> dict:
     from jaxllm.runner.sampling_rows import dummy_metadata
     arrays, decode_only = step_arrays(runner, rows, ctx)
     same = runner.pack_inputs(arrays, decode_only)
+    # A buffer of its own: the runner's staged one is donated by the next inputs' copy.
+    same = dataclasses.replace(same, packed=same.packed + 0)
     flags = warm_up_variants()[0]
     state = {"inflight": []}
 
