@@ -66,9 +66,9 @@ class InputStager:
     that reads a buffer whose address changed since the last launch; every layer's
     RoPE, KV-write and attention read the inputs. So a step's new upload is copied
     into the buffer the last step of that size read (a program of one copy, queued
-    after that step), and the step reads that. On the H200, with the upload read
-    directly, a launch recorded 333 of the decode step's 424 commands again
-    (scripts/cmdbuf_updates.py --vlog)."""
+    after that step), and the step reads that. On the H200, with new uploads read
+    directly (and nothing else between launches), a launch recorded 333 of the decode
+    step's 424 commands again (scripts/cmdbuf_updates.py --vlog)."""
 
     def __init__(self):
         self.buffers: dict[int, jax.Array] = {}
