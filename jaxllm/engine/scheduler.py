@@ -66,9 +66,9 @@ class ScheduledRequest:
 
 
 class KVCacheLostError(RuntimeError):
-    """A step or sampler read from disk failed after its KV pool or last samples were
-    donated to it (the runner compiled it again, allocated them anew): every
-    sequence's KV must be computed again (Scheduler.recompute_all)."""
+    """A step failed after its KV pool was donated to it (a program read from disk
+    that could not run; the runner compiled it again and allocated a zeroed pool):
+    every sequence's KV must be computed again (Scheduler.recompute_all)."""
 
 
 @dataclass

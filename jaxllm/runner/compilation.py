@@ -5,9 +5,10 @@ program read from disk.
 
 A program read from a file (the store, or jax's persistent cache) that fails its first
 run is treated as a corrupt entry: removed from the store, compiled again, logged
-once. A step that failed had the KV pool donated to it, a sampler the buffer of the
-last samples: the runner allocates them anew and KVCacheLostError tells the engine
-core to have every request recompute.
+once. A step that failed had the KV pool donated to it: the runner allocates a new
+one and KVCacheLostError tells the engine core to have every request recompute. A
+sampler that failed had the token buffer donated to it, whose rows the next step reads
+only after this sampler writes them: the runner calls it again on a new one.
 """
 from __future__ import annotations
 
@@ -167,6 +168,12 @@ def first_requests_only(plan, prompt_tokens: int = 64):
     return defer
 
 
+class ProgramReplaced(RuntimeError):
+    """A sampler read from disk failed its first run and was compiled again: the
+    token buffer donated to that run is gone, so the caller calls again with a new
+    one (rebuild made it)."""
+
+
 class CompilationManager:
     """name -> compiled program for dispatch: ("step", T, S, decode_only) and
     ("sample", S, flags). `rebuild(name)` gives a name's Program again (after the
@@ -299,9 +306,10 @@ class CompilationManager:
             if key not in self.unverified or key in self.replaced:
                 raise
             self.replace(key, str(e))
-        # The failed run took the donated buffers: a step's pool, the sampler's tokens.
-        raise KVCacheLostError(f"the buffers donated to {key}'s failed run (the KV pool "
-                               "or the sampled tokens) are allocated anew")
+        if key[0] == "step":     # the pool was donated to the failed run
+            raise KVCacheLostError(f"the KV pool was donated to {key}'s failed run and "
+                                   "is allocated anew")
+        raise ProgramReplaced(key)     # a sampler: its token buffer went to the failed run
 
     def replace(self, key: tuple, reason: str) -> None:
         """Drop a program read from a file that failed its first run (and its store

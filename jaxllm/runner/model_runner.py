@@ -19,6 +19,7 @@ import os
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.config import EngineConfig
@@ -28,7 +29,8 @@ from jaxllm.models.loader import LoadedModel
 from jaxllm.parallel import distributed, mesh as mesh_lib
 from jaxllm.runner import executable_store, input_batch, kv_cache, sampling_rows
 from jaxllm.runner.buckets import BucketPlan
-from jaxllm.runner.compilation import CompilationManager, Program, first_requests_only
+from jaxllm.runner.compilation import (CompilationManager, Program, ProgramReplaced,
+                                       first_requests_only)
 from jaxllm.runner.step_fn import LogitsBuffers, dummy_arrays, step_compiler_options
 # Module names of their own: tests spy on them (one call is one trace).
 from jaxllm.runner.step_fn import forward as _forward, sample_into as _sample_into
@@ -67,7 +69,7 @@ class ModelRunner:
         self.kv_caches = self.last_hidden = None
         self.num_blocks = 0
         self._replicated = mesh_lib.replicated(mesh)
-        self._token_buf = self._new_token_buf()
+        self._token_buf = jnp.zeros(self.plan.max_seqs, jnp.int32, device=self._replicated)
         self.logits_bufs = LogitsBuffers(self.arch.vocab_size, self._replicated, self.plan)
         self._stager = InputStager()
         self._prev_rows: dict[str, int] = {}   # request id -> its row in _token_buf
@@ -81,9 +83,8 @@ class ModelRunner:
         self._step_prompt = jax.jit(forward, donate_argnums=(1,), compiler_options=options)
         self._sample = jax.jit(_sample_into, static_argnums=(2,), donate_argnums=(3,))
         self.store = self._open_store(treedef, options)
-        # The warm-up's compiled programs, called directly; anything else goes through
-        # the jits above. Deserializing holds the GIL on the CPU backend
-        # (executable_store); on a GPU it is mostly loading kernels, so threads overlap.
+        # The warm-up's compiled programs, called directly (others: the jits above).
+        # Loading holds the GIL on a CPU, mostly not on a GPU (executable_store).
         cpu = mesh.local_devices[0].platform == "cpu"
         self.compilation = CompilationManager(self.store, min(os.cpu_count() or 1, 16),
                                               1 if cpu else 8, self._rebuild_program,
@@ -101,8 +102,7 @@ class ModelRunner:
                   f"block_size={self.block_size} kv_dtype={kv_dtype} max_model_len="
                   f"{self.max_model_len} step donates (1, 4), sampler (3,), out_shardings="
                   f"{self._out_shardings()}"]
-        # (keys unchanged for float steps and without EAGLE)
-        static += [f"step compiler options {options}"] * (options is not None)
+        static += [f"step compiler options {options}"] * (options is not None)  # (if any)
         static += [f"returns hidden_layers={self.hidden_layers}"] * (
             self.hidden_layers is not None)
         return executable_store.ExecutableStore(self.config.compilation_cache_dir, self.mesh,
@@ -122,8 +122,7 @@ class ModelRunner:
         from `activation_bound`; so while that step compiles, the warm-up's other
         programs are lowered for the same pool and queued to compile (warm_up
         collects them; a pool of another size makes them stale). `draft_*`: a
-        proposer's pool bytes per block and weights, left room for (plan_num_blocks);
-        the proposer allocates its pool of self.num_blocks after."""
+        proposer's pool bytes per block and weights, left room for (plan_num_blocks)."""
         cache_cfg = self.config.cache
         weights = kv_cache.device_bytes(self._leaves)
         limit = self.device_limit()
@@ -188,7 +187,7 @@ class ModelRunner:
         """The step's arguments for host `arrays`, packed into one transfer. The
         warm-up lowers with these very arguments, so its programs are the ones called.
         `kv_caches`: another pool than the runner's (the KV sizing's abstract one)."""
-        inputs = self.pack_inputs(arrays, decode_only)
+        inputs = StepInputs.pack(arrays, decode_only, self._replicated)   # (not staged)
         kv_caches = self.kv_caches if kv_caches is None else kv_caches
         args = (self._leaves, kv_caches, self._token_buf, inputs)
         if "prompt_targets" in arrays:      # (_step_prompt: a new logits array)
@@ -224,26 +223,27 @@ class ModelRunner:
 
     def sample_step(self, logits, md, flags, bitmask=None) -> SamplerOutput:
         extra = () if bitmask is None else (bitmask,)
-        self._token_buf, out = self._call(("sample", logits.shape[0], flags),
-                                          (logits, md, self._token_buf, *extra), self._sample,
-                                          (logits, md, flags, self._token_buf, *extra))
-        return out
+        for last in (False, True):   # again with a new token buffer after a replacement
+            try:
+                self._token_buf, out = self._call(
+                    ("sample", logits.shape[0], flags), (logits, md, self._token_buf, *extra),
+                    self._sample, (logits, md, flags, self._token_buf, *extra))
+                return out
+            except ProgramReplaced:
+                if last:
+                    raise
 
     def _call(self, key: tuple, args: tuple, jitted, jit_args: tuple):
         return self.compilation.call(key, args, jitted, jit_args)
 
     def _rebuild_program(self, key: tuple) -> Program:
-        """A program of the warm-up again, after its copy from disk failed to run (the
-        buffers donated to that run, a step's pool or the sampler's token buffer, are
-        allocated anew first)."""
+        """A warm-up program again after its copy from disk failed to run (what that run
+        took, a step's pool or the sampler's token buffer, made anew first)."""
         if key[0] == "step":
             self.kv_caches = self._allocate_pool()
             return self._step_program(*key[1:])
-        self._token_buf = self._new_token_buf()
+        self._token_buf = jnp.zeros(self.plan.max_seqs, jnp.int32, device=self._replicated)
         return self._sample_program(key[1], key[2])
-
-    def _new_token_buf(self):
-        return jax.device_put(np.zeros(self.plan.max_seqs, np.int32), self._replicated)
 
     def execute_model(self, scheduler_output, requests: dict, fallback_seeds: dict,
                       defer_sample: bool = False, before_dispatch=None) -> StepHandle | None:
@@ -384,7 +384,7 @@ class ModelRunner:
         for key in sorted(self.compilation.programs, key=str):
             try:
                 out = run(key)
-            except KVCacheLostError:   # replaced; its donated buffers held nothing yet
+            except KVCacheLostError:   # replaced; the pool holds nothing yet
                 out = run(key)
         jax.block_until_ready((out, self.kv_caches))
 

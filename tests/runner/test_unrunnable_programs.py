@@ -4,8 +4,8 @@ On XLA:CPU an executable that was deserialized (by jax's persistent cache or by 
 executable store) and serialized again lacks kernels: loading that copy fails on its
 first run ("Function ... not found (type id: 1)"). The store saves fresh compiles
 only, and a stored program that fails its first run is evicted and compiled again;
-for a step or sampler, whose KV pool or last samples were donated to the failed run,
-every running request computes its KV again. Same tiny Llama and engine settings as test_executable_store."""
+for a step, whose KV pool was donated to the failed run, every running request
+computes its KV again; a sampler runs again on a new token buffer. Same tiny Llama and engine settings as test_executable_store."""
 from __future__ import annotations
 
 import json
@@ -19,6 +19,7 @@ import pytest
 from test_executable_store import ENGINE, GREEDY, NUM_PROGRAMS, PROMPTS, REPO, first  # noqa: F401
 
 from jaxllm import LLM, SamplingParams
+from jaxllm.sampling_params import StructuredOutputsParams
 
 # Prompts long enough that every request decodes through several steps.
 MANY = [{"prompt_token_ids": [(7 * i + j) % 300 + 1 for j in range(3 + i % 9)]}
@@ -46,9 +47,9 @@ def break_stored(cache: str, folder: str, name: tuple) -> str:
 @pytest.mark.parametrize("name", [("step", 4, 4, True), ("sample", 4, "greedy")])
 def test_unrunnable_stored_program_is_compiled_again(first, tmp_path, caplog, name):  # noqa: F811
     """A decode step that fails after the prefill steps filled the pool (their KV is
-    lost: every request computes it again), or the greedy sampler (the last samples,
-    donated to it, are lost: the same): the same tokens as a cold start, a warning
-    naming the file, and the file rewritten."""
+    lost: every request computes it again), or the greedy sampler (run again on a new
+    token buffer): the same tokens as a cold start, a warning naming the file, and the
+    file rewritten."""
     folder, cache, cold, _ = first
     copy = str(tmp_path / "xla")
     shutil.copytree(cache, copy)
@@ -63,11 +64,44 @@ def test_unrunnable_stored_program_is_compiled_again(first, tmp_path, caplog, na
         assert many_tokens(llm) == expected
     failed = [r.getMessage() for r in caplog.records if "failed its first run" in r.getMessage()]
     assert len(failed) == 1 and path in failed[0], failed
-    # Its donated buffers (the pool, or the last samples) went to the failed run.
-    assert llm.llm_engine.scheduler.num_preemptions_total > 0
+    # A step's pool went to the failed run: every request computed its KV again. A
+    # sampler's token buffer did too, but the next step reads only the rows the
+    # sampler writes: it runs again on a new buffer, nothing recomputed.
+    assert (llm.llm_engine.scheduler.num_preemptions_total > 0) == (name[0] == "step")
     again = LLM(folder, compilation_cache_dir=copy, **ENGINE)
     assert again.llm_engine.runner.store.loads == NUM_PROGRAMS
     assert many_tokens(again) == expected
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_unrunnable_bitmask_sampler_under_a_grammar(first, tmp_path, caplog,  # noqa: F811
+                                                    async_scheduling):
+    """The sampler with a grammar bitmask launches apart from its step: before the next
+    step's model (async scheduling) or as the step is read back (without). A copy of
+    it that fails its first run is compiled again and runs again on a new token
+    buffer there too: the cold start's tokens, nothing recomputed."""
+    from jaxllm.runner.sampler import SamplerFlags
+    folder, cache, cold, _ = first
+    copy = str(tmp_path / "xla")
+    shutil.copytree(cache, copy)
+    regex = StructuredOutputsParams(regex=r"[a-z ]{5,20}")
+    params = [SamplingParams(temperature=0, max_tokens=20, structured_outputs=regex)] * 2 + [
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)] * 2
+    prompts = [{"prompt_token_ids": [5, 9, 2, 7, 1, 3]}] * 4
+
+    def tokens(llm):
+        return [list(o.outputs[0].token_ids)
+                for o in llm.generate(prompts, params, use_tqdm=False)]
+    expected = tokens(cold)
+    path = break_stored(copy, folder, ("sample", 4, SamplerFlags(False, False, 0, True,
+                                                                 use_bitmask=True)))
+    with caplog.at_level(logging.WARNING):
+        llm = LLM(folder, compilation_cache_dir=copy, **ENGINE)
+        llm.llm_engine.async_scheduling = async_scheduling
+        assert tokens(llm) == expected
+    failed = [r.getMessage() for r in caplog.records if "failed its first run" in r.getMessage()]
+    assert len(failed) == 1 and path in failed[0], failed
+    assert llm.llm_engine.scheduler.num_preemptions_total == 0
 
 
 CHILD = """
