@@ -313,12 +313,12 @@ class ModelRunner:
         return self.arch.eos_token_id
 
     # ------------------------------------------------------------ warm-up
-    def _step_program(self, t: int, s: int, decode_only: bool,
-                      kv_caches=None) -> Program:
-        """The step for one bucket, lowered with the very arguments a real call passes.
-        Its store key leaves out the weights (part of the store's static part)."""
-        args = self._step_args(dummy_arrays(t, s, self.max_blocks_per_seq), decode_only,
-                               kv_caches)
+    def _step_program(self, t: int, s: int, decode_only: bool, kv_caches=None) -> Program:
+        """One bucket's step, lowered with a real call's arguments (its store key without
+        the weights); its inputs' copies run now, so a warm start compiles nothing."""
+        arrays = dummy_arrays(t, s, self.max_blocks_per_seq)
+        args = self._step_args(arrays, decode_only, kv_caches)
+        self._stager.warm_up(args[3])
         return Program(("step", t, s, decode_only), args[1:], self._step, args)
 
     def _dummy_logits(self, s: int):

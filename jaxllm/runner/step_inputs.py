@@ -80,6 +80,12 @@ class InputStager:
         self.buffers[n] = packed
         return dataclasses.replace(inputs, packed=packed)
 
+    def warm_up(self, inputs: StepInputs) -> None:
+        """Both copies of this size run once (compiled, and in jax's cache for the next
+        start); `inputs` stay the caller's."""
+        for _ in range(2):
+            self.stage(inputs)
+
 
 def put_replicated(x: np.ndarray, sharding) -> jax.Array:
     """``jax.device_put(x, sharding)`` for an int32 host array and a replicated
