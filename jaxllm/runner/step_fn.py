@@ -65,7 +65,7 @@ class LogitsBuffers:
     every command that reads a buffer whose address changed. On the H200, with a new
     logits and token buffer every step, every launch of the engine's decode step
     recorded all its commands again (424: 0.57 ms of host time at batch 1; 360: 1.1 ms
-    at 256 rows); with these buffers and InputStager's, none at batch 1, and 13 of 20
+    at 256 rows); with these buffers and InputStager's, none at batch 1, and still most
     at 256 rows, where one allocation still moves, likely the step's temporary buffer
     (scripts/cmdbuf_updates.py --vlog). The buffers beside the largest bucket's (which
     the step's compiled peak holds) are counted in the KV sizing (extra_bytes)."""

@@ -5,7 +5,8 @@ executable store) and serialized again lacks kernels: loading that copy fails on
 first run ("Function ... not found (type id: 1)"). The store saves fresh compiles
 only, and a stored program that fails its first run is evicted and compiled again;
 for a step, whose KV pool was donated to the failed run, every running request
-computes its KV again; a sampler runs again on a new token buffer. Same tiny Llama and engine settings as test_executable_store."""
+computes its KV again; a sampler runs again on a new token buffer. Same tiny Llama
+and engine settings as test_executable_store."""
 from __future__ import annotations
 
 import json
