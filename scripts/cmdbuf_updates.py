@@ -27,8 +27,6 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import glob
-import gzip
 import json
 import os
 import re
@@ -47,18 +45,14 @@ SPANS = ("command_buffer::update", "command_buffer::execute", "cuGraphLaunch",
 def host_spans(fn, n: int) -> dict:
     """fn() run n times under a trace without Python tracing: SPANS per launch
     (count, mean us) from the host events."""
-    import jax
-    folder = tempfile.mkdtemp(prefix="jaxllm-cmdbuf-")
-    options = jax.profiler.ProfileOptions()
-    options.python_tracer_level = 0
-    with jax.profiler.trace(folder, profiler_options=options):
+    from step_profile import events_untraced_python
+
+    def run():
         for _ in range(n):
             fn()
         fn(final=True)
-    path = glob.glob(os.path.join(folder, "plugins", "profile", "*", "*.trace.json.gz"))[0]
-    with gzip.open(path) as f:
-        events = json.load(f)["traceEvents"]
     found = collections.defaultdict(list)
+    events = events_untraced_python(run) or []
     for e in events:
         if e.get("ph") == "X" and "dur" in e:
             name = str(e["name"])

@@ -134,27 +134,38 @@ def host_profile(runner, arrays, decode_only, iters=10, top=40, keep=None,
                     for n, (d, c) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]]}
 
 
-def profile_engine(llm, prompts, params, steps: int, top=12) -> dict:
-    """The whole engine (scheduling, sampling, host work) over one generate call:
-    device kernel time and span per engine step (span - kernels = device idle), the
-    run's wall per step, and where the device idles (idle_gaps). Python is not
-    traced: its tracer tripled a 256-row step's wall time."""
+def events_untraced_python(fn) -> list | None:
+    """fn() under jax's profiler without Python tracing (its tracer tripled a 256-row
+    step's wall time): the trace's events, None when it wrote none."""
     import jax
-    from idle_gaps import idle_gaps
     folder = tempfile.mkdtemp(prefix="jaxllm-trace-")
     options = jax.profiler.ProfileOptions()
     options.python_tracer_level = 0
     with jax.profiler.trace(folder, profiler_options=options):
-        t0 = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
-        wall = time.perf_counter() - t0
+        fn()
     path = _trace_file(folder)
     if path is None:
-        return {"error": f"no trace written under {folder}"}
+        return None
     with gzip.open(path) as f:
-        events = json.load(f)["traceEvents"]
+        return json.load(f)["traceEvents"]
+
+
+def profile_engine(llm, prompts, params, steps: int, top=12) -> dict:
+    """The whole engine (scheduling, sampling, host work) over one generate call,
+    Python untraced: device kernel time and span per engine step (span - kernels =
+    device idle), the run's wall per step, and where the device idles (idle_gaps)."""
+    from idle_gaps import idle_gaps
+    spans = []
+
+    def run():
+        t0 = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        spans.append(time.perf_counter() - t0)
+    events = events_untraced_python(run)
+    if events is None:
+        return {"error": "the profiler wrote no trace"}
     res = summarize(events, steps, top)
-    res["wall_ms_per_step"] = 1000 * wall / steps
+    res["wall_ms_per_step"] = 1000 * spans[0] / steps
     res["idle"] = idle_gaps(events, _gpu_pids(events), steps, top=top)
     return res
 
