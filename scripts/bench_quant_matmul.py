@@ -14,9 +14,7 @@ its remaining cases (the default options' autotuning of fp8 GEMMs is what is pro
 
 --pallas adds the small-M Pallas kernels (pallas_kernels/quant_matmul.py) beside them,
 at M = 1, 8, 16, 64 under the no_triton options unless --ms / --variants say: the
-W8A8 layer path with the kernel in place of XLA's dot (pallas_fp8, pallas_int8), the
-one-kernel W8A8 path that casts x inside the kernel (fused_fp8, fused_int8:
-pallas_kernels/w8a8_matmul.py, int8 asymmetric as online int8), and
+W8A8 layer path with the kernel in place of XLA's dot (pallas_fp8, pallas_int8), and
 W4A16 with groups of 128 through XLA (xla_w4: grouped_dequant_matmul; xla_u4: the
 weight typed uint4, which XLA's Triton GEMMs read packed) and the kernel (pallas_w4).
 Rows then also print the weight's GB/s (weight and scales over the run time), and the
@@ -49,19 +47,16 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from jaxllm.layers.quantization.linear import (  # noqa: E402
-    activation_scales, grouped_dequant_matmul, native_dot, quantize_per_token,
-    quantized_matmul)
+    grouped_dequant_matmul, native_dot, quantize_per_token, quantized_matmul)
 from jaxllm.layers.quantization.schemes import ActScheme, LinearScheme  # noqa: E402
 from pallas_kernels import quant_matmul as qmm  # noqa: E402
-from pallas_kernels.w8a8_matmul import ref_w8a8_matmul, w8a8_matmul  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336)}
 VARIANTS = {"default": {}, "no_triton": {"xla_gpu_enable_triton_gemm": False},
             "autotune0": {"xla_gpu_autotune_level": 0}}
 STORE = {"fp8": jnp.float8_e4m3fn, "int8": jnp.int8}
-PALLAS_KINDS = ("pallas_fp8", "pallas_int8", "fused_fp8", "fused_int8", "xla_w4",
-                "pallas_w4", "xla_u4")
+PALLAS_KINDS = ("pallas_fp8", "pallas_int8", "xla_w4", "pallas_w4", "xla_u4")
 W4_GROUP = 128
 
 
@@ -93,19 +88,6 @@ def pallas_w8a8(dtype: str, settings: dict):
     def f(x, wq, ws):
         xq, xs = quantize_per_token(x, 1, act)
         return qmm.quant_matmul(xq, wq, xs, ws, out_dtype=x.dtype, **settings)
-    return f
-
-
-def fused_w8a8(dtype: str, settings: dict):
-    """The layer's one-kernel path (QuantLinear at decode sizes on one GPU): XLA
-    computes the token scales, the kernel casts x and runs the dot. int8 is
-    asymmetric (a zero point per token), as online int8."""
-    act = ActScheme(dtype=dtype, dynamic=True, symmetric=dtype == "fp8")
-
-    def f(x, wq, ws):
-        xs, xz = activation_scales(x, 1, act)
-        azp = None if xz is None else jnp.sum(wq.astype(jnp.float32), axis=1)
-        return w8a8_matmul(x, wq, xs, ws, xz, azp, out_dtype=x.dtype, **settings)
     return f
 
 
@@ -156,13 +138,6 @@ def pallas_error(kind, args, settings) -> float:
     if kind == "pallas_w4":
         got = w4(True, settings)(*args)
         want = qmm.ref_quant_matmul_int4(*args, group=W4_GROUP)
-    elif kind.startswith("fused"):
-        x, wq, ws = args
-        dtype = kind.removeprefix("fused_")
-        xs, xz = activation_scales(x, 1, ActScheme(dtype=dtype, symmetric=dtype == "fp8"))
-        azp = None if xz is None else jnp.sum(wq.astype(jnp.float32), axis=1)
-        got = w8a8_matmul(x, wq, xs, ws, xz, azp, out_dtype=jnp.float32, **settings)
-        want = ref_w8a8_matmul(x, wq, xs, ws, xz, azp, out_dtype=jnp.float32)
     else:
         x, wq, ws = args
         xq, xs = quantize_per_token(x, 1, ActScheme(dtype=kind[7:], dynamic=True))
@@ -187,12 +162,11 @@ def case_args(kind, m, n, k, key, settings=None):
         return w4(kind == "pallas_w4", settings or {}), w4_args(x, n, k, kw)
     if kind == "xla_u4":
         return xla_u4, u4_args(x, n, k, kw)
-    dtype = kind.removeprefix("pallas_").removeprefix("fused_")
+    dtype = kind.removeprefix("pallas_")
     scale = jnp.max(jnp.abs(w), axis=1) / (448.0 if dtype == "fp8" else 127.0)
     wq = w / scale[:, None]
     wq = jnp.round(wq) if dtype == "int8" else wq
-    fn = (pallas_w8a8(dtype, settings or {}) if kind.startswith("pallas") else
-          fused_w8a8(dtype, settings or {}) if kind.startswith("fused") else w8a8(dtype))
+    fn = pallas_w8a8(dtype, settings or {}) if kind.startswith("pallas") else w8a8(dtype)
     return fn, (x, wq.astype(STORE[dtype]), scale)
 
 
@@ -217,7 +191,7 @@ def case(kind, m, n, k, options, key, settings=None, copies=1):
     # (numpy counts a uint4 element as a byte; XLA stores two to a byte)
     nbytes = sum(a.size // 2 if a.dtype == jnp.uint4 else a.nbytes for a in args[1:])
     r["weight_gbps"] = round(nbytes / us / 1e3, 1)
-    if kind.startswith(("pallas", "fused")):
+    if kind.startswith("pallas"):
         r["max_rel_err"] = pallas_error(kind, args, settings or {})
     return r
 

@@ -179,37 +179,6 @@ def int4_kernel_matmul(x, wq, scale, zero, scheme: LinearScheme, nk: int,
     return y.reshape(t, *out)
 
 
-# Tokens up to which a per-token W8A8 layer runs the one-kernel Pallas path on a GPU
-# (pallas_kernels/w8a8_matmul.py: x cast inside the kernel); larger batches take
-# XLA's (the cast, then cuBLASLt's fp8 / int8 GEMM).
-W8A8_KERNEL_ROWS = 64
-
-
-def use_w8a8_kernel(scheme: LinearScheme, tokens: int, tp: int | None = None) -> bool:
-    """Per-channel fp8 / int8 weights with per-token (or static) activation scales,
-    on one GPU (``tp`` as use_int4_kernel's), at decode sizes."""
-    a = scheme.act
-    unsharded = tp == 1 if tp is not None else jax.device_count() == 1
-    return (scheme.weight in ("fp8", "int8") and scheme.block is None and a is not None
-            and a.group_size is None and tokens <= W8A8_KERNEL_ROWS and on_gpu()
-            and unsharded)
-
-
-def w8a8_kernel_matmul(x, wq, w_scale, x_scale, nk: int, x_zero=None, azp_adj=None,
-                       interpret: bool = False):
-    """quantized_matmul's contract through the one-kernel path, x unquantized (the
-    kernel casts it with x_scale / x_zero): dims flattened to [T, K] x [N, K], the
-    result reshaped back. f32 [T, N...]."""
-    from pallas_kernels.w8a8_matmul import w8a8_matmul   # Triton lowering, lazily
-    t = x.shape[0]
-    out = wq.shape[:wq.ndim - nk]
-    n = math.prod(out)
-    y = w8a8_matmul(x.reshape(t, -1), wq.reshape(n, -1), x_scale, w_scale.reshape(n),
-                    x_zero, None if azp_adj is None else azp_adj.reshape(n),
-                    out_dtype=jnp.float32, interpret=interpret)
-    return y.reshape(t, *out)
-
-
 class QuantLinear(nnx.Module):
     """y[T, N...] = x[T, K...] @ W, W stored quantized as weight [N..., K...]."""
 
@@ -257,11 +226,6 @@ class QuantLinear(nnx.Module):
                     ((), ()))
             y = jax.lax.dot_general(x, w.astype(x.dtype), dims,
                                     preferred_element_type=jnp.float32) * ws
-        elif use_w8a8_kernel(s, x.shape[0], tp):
-            xs, xz = activation_scales(x, self.nk, s.act,
-                                       self.input_scale[...] if not s.act.dynamic else None)
-            y = w8a8_kernel_matmul(x, w, ws, xs, self.nk, xz,
-                                   None if s.act.symmetric else self.azp_adj[...])
         elif not s.act.symmetric:
             xq, xs, xz = quantize_per_token_asym(x, self.nk)
             y = quantized_matmul(xq, xs, w, ws, self.nk, native_dot(), xz, self.azp_adj[...])
