@@ -91,6 +91,28 @@ def test_gpu_path_lowers_to_a_quantized_dot(kind, operand, acc):
         in dots[0], dots[0]
 
 
+@pytest.mark.parametrize("kind,x_dtype,product", [("fp8", jnp.bfloat16, "bf16"),
+                                                  ("fp8", jnp.float32, "f32"),
+                                                  ("int8", jnp.bfloat16, "i32")])
+def test_fp8_layer_gemm_writes_the_layer_dtype(monkeypatch, kind, x_dtype, product):
+    """QuantLinear's fp8 dot emits a bf16 layer's product in bf16 (half the bytes the
+    GEMM writes at prompt sizes), the scales after it in f32; an f32 layer keeps f32
+    and int8's dot stays int32."""
+    from flax import nnx
+    nnx.use_eager_sharding(False)
+    monkeypatch.setattr(linear, "native_dot", lambda: True)
+    act = ActScheme(kind, symmetric=True)
+    layer = linear.QuantLinear(LinearScheme(kind, None, act), (512,), (256,), (None,),
+                               (None,))
+    graph, state = nnx.split(layer)
+
+    def call(state, x):
+        return nnx.merge(graph, state)(x, tp=1)
+    text = lower_for_cuda(call, state, jax.ShapeDtypeStruct((300, 256), x_dtype))
+    dots = [line for line in text.splitlines() if "dot_general" in line]
+    assert len(dots) == 1 and f"-> tensor<300x512x{product}>" in dots[0], dots
+
+
 @pytest.mark.parametrize("in_shape,out_shape", [((256,), (4, 32)), ((256,), (2, 2, 16)),
                                                 ((4, 64), (48,))],
                          ids=["q_proj", "kv_proj", "o_proj"])
