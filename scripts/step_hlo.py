@@ -3,6 +3,7 @@ order with their durations, for a model cut to a few layers (the per-layer kerne
 sequence is the same as the whole model's).
 
     python scripts/step_hlo.py --layers 2 --shape decode:1:600 --shape decode:8:100
+    python scripts/step_hlo.py --quantization fp8 --shape prefill:8:0:1024
 
 Writes ``$OUT/step_<label>.hlo.txt`` (``compiled.as_text()``) and
 ``$OUT/step_<label>.kernels.txt`` (one step's kernels: name, microseconds).
@@ -59,13 +60,16 @@ def main():
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--shape", action="append", default=[],
                     help="label:batch:ctx[:q_len], e.g. decode:8:100 or prefill:4:0:1024")
+    ap.add_argument("--quantization", default=None, help="e.g. fp8 (online, dummy weights)")
+    ap.add_argument("--kv-cache-dtype", default="auto")
     args = ap.parse_args()
     import jax
     from jaxllm import LLM
     import step_profile
     llm = LLM(cut_model(args.model, args.layers), load_format="dummy", dtype="bfloat16",
               max_model_len=2048, max_num_seqs=256, max_num_batched_tokens=8192,
-              enforce_eager=True, num_gpu_blocks_override=4096)
+              enforce_eager=True, num_gpu_blocks_override=4096,
+              quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     runner = llm.llm_engine.runner
     out = os.environ.get("OUT", ".")
     for spec in args.shape or ["decode:1:600"]:
@@ -73,13 +77,14 @@ def main():
         arrays, decode_only = step_profile.step_arrays(runner, int(batch), int(ctx),
                                                        int(q[0]) if q else 1)
         text = runner.lower_step(arrays, decode_only).compile().as_text()
-        with open(os.path.join(out, f"step_{label}.hlo.txt"), "w") as f:
+        tag = f"{label}-{args.quantization}" if args.quantization else label
+        with open(os.path.join(out, f"step_{tag}.hlo.txt"), "w") as f:
             f.write(text)
         ks = kernels_in_order(runner, arrays, decode_only)
-        with open(os.path.join(out, f"step_{label}.kernels.txt"), "w") as f:
+        with open(os.path.join(out, f"step_{tag}.kernels.txt"), "w") as f:
             for name, dur in ks:
                 f.write(f"{dur:9.2f}  {name}\n")
-        print(f"{label}: {len(ks)} kernels, {sum(d for _, d in ks):.1f} us "
+        print(f"{tag}: {len(ks)} kernels, {sum(d for _, d in ks):.1f} us "
               f"({args.layers} layers); device {jax.devices()[0].device_kind}", flush=True)
 
 

@@ -113,6 +113,25 @@ def test_fp8_layer_gemm_writes_the_layer_dtype(monkeypatch, kind, x_dtype, produ
     assert len(dots) == 1 and f"-> tensor<300x512x{product}>" in dots[0], dots
 
 
+@pytest.mark.parametrize("act", [ActScheme("fp8"), ActScheme("int8", symmetric=False)],
+                         ids=["fp8", "int8_asym"])
+def test_token_scales_written_out_at_prompt_sizes(act):
+    """From SCALES_APART_TOKENS tokens the dynamic scales pass an optimization barrier
+    (XLA would otherwise recompute them inside the GEMM's epilogue); decode sizes
+    keep the fusions free; the values are the same either way."""
+    x = jax.random.normal(jax.random.PRNGKey(0), (linear.SCALES_APART_TOKENS, 64))
+    scales = jax.jit(lambda x: linear.activation_scales(x, 1, act))
+    for t in (linear.SCALES_APART_TOKENS - 1, linear.SCALES_APART_TOKENS):
+        text = lower_for_cuda(lambda x: linear.activation_scales(x, 1, act),
+                              jax.ShapeDtypeStruct((t, 64), jnp.bfloat16))
+        assert ("optimization_barrier" in text) == (t >= linear.SCALES_APART_TOKENS)
+    big = scales(x)
+    small = scales(x[:-1])
+    for a, b in zip(big, small):
+        if a is not None:
+            np.testing.assert_array_equal(np.asarray(a)[:-1], np.asarray(b))
+
+
 @pytest.mark.parametrize("in_shape,out_shape", [((256,), (4, 32)), ((256,), (2, 2, 16)),
                                                 ((4, 64), (48,))],
                          ids=["q_proj", "kv_proj", "o_proj"])
