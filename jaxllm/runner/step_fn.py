@@ -90,7 +90,11 @@ class LogitsBuffers:
 
     def extra_bytes(self) -> int:
         """Device bytes of every bucket's buffer but the largest."""
-        return 4 * self.vocab_size * (sum(self.seq_buckets) - max(self.seq_buckets))
+        return self.total_bytes() - 4 * self.vocab_size * max(self.seq_buckets)
+
+    def total_bytes(self) -> int:
+        """Device bytes of every bucket's buffer (per device: they are replicated)."""
+        return 4 * self.vocab_size * sum(self.seq_buckets)
 
 
 def dummy_arrays(t: int, s: int, max_blocks_per_seq: int) -> dict:

@@ -132,9 +132,11 @@ class DraftModelProposer:
             arch.num_kv_heads * r.mesh.size)
 
     def weight_bytes(self) -> int:
-        """Device bytes the draft's weights take (per device)."""
+        """Device bytes the draft keeps beside its pool (per device): its weights and
+        its runner's logits buffers, one per sequence bucket (LogitsBuffers; ~260 MB
+        at a 128k vocabulary), which the target's step peak does not hold."""
         from jaxllm.runner.kv_cache import device_bytes
-        return device_bytes(self.runner._leaves)
+        return device_bytes(self.runner._leaves) + self.runner.logits_bufs.total_bytes()
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate the draft's pool: `num_blocks`, the target's block count."""

@@ -3,6 +3,7 @@ HF greedy decoding of the draft, across propose() calls that accept a prefix of 
 drafts, reject one, chunk a long prompt and skip requests; the vocab check."""
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -105,6 +106,20 @@ def test_self_draft_is_greedy_continuation_across_acceptance(target, self_draft)
             for t in ref[i][n:n + min(a, k) + 1]:   # k = 0: a plain decode step
                 r.append_output_token(t)
     self_draft.finish([r.request_id for r in reqs])
+
+
+def test_draft_bytes_count_its_logits_buffers(self_draft):
+    """What the target's KV sizing leaves room for: the draft's weights and every one
+    of its logits buffers, which stay on the device between steps; at least as many
+    bytes as the buffers a run has left there."""
+    r = self_draft.runner
+    self_draft.propose([request("bytes", [1, 2, 3])], [2], [table(0)])
+    self_draft.finish(["bytes"])
+    buckets = r.logits_bufs.seq_buckets
+    weights = sum(x.nbytes for x in jax.tree.leaves(r._leaves))
+    assert self_draft.weight_bytes() == weights + 4 * r.arch.vocab_size * sum(buckets)
+    held = sum(b.nbytes for b in r.logits_bufs.buffers.values())
+    assert 0 < held <= self_draft.weight_bytes() - weights
 
 
 def test_rejected_draft_is_fed_again(target, self_draft):
