@@ -296,6 +296,8 @@ class CompilationManager:
                 self.unverified.discard(key)
             return out
         except (TypeError, ValueError) as e:
+            if any(isinstance(a, jax.Array) and a.is_deleted() for a in jax.tree.leaves(args)):
+                raise      # an argument already donated: the caller's bug, not the program's
             # Arguments unlike the warm-up's. Checked before the program runs, so
             # nothing was donated yet.
             logger.warning("%s: the warm-up's program rejects these arguments (%s); "
