@@ -45,9 +45,20 @@ def kernels_in_order(runner, arrays, decode_only, iters=3):
     streams = {k for k, v in threads.items() if "stream" in v.lower()}
     ks = sorted((e for e in events if e.get("ph") == "X" and (e["pid"], e.get("tid")) in streams
                  and "dur" in e), key=lambda e: e["ts"])
-    # The last step's kernels: split the sequence where the gap is largest (host sync).
     if not ks:
         return []
+    # The last step's kernels: those inside the model's last module span on the GPU
+    # (the "XLA Modules" line), where the trace has one.
+    modules = sorted((e for e in events if e.get("ph") == "X" and "dur" in e
+                      and "module" in threads.get((e["pid"], e.get("tid")), "").lower()
+                      and "forward" in str(e.get("name", ""))), key=lambda e: e["ts"])
+    if modules:
+        a, b = modules[-1]["ts"], modules[-1]["ts"] + modules[-1]["dur"]
+        inside = [(e["name"], e["dur"]) for e in ks if a <= e["ts"] <= b]
+        if inside:
+            return inside
+    # Else split the sequence where the gaps are largest (host syncs); under
+    # --enforce-eager a prompt step's own gaps can be larger, so this may keep two.
     gaps = [(ks[i + 1]["ts"] - ks[i]["ts"] - ks[i]["dur"], i) for i in range(len(ks) - 1)]
     cuts = sorted(i for _, i in sorted(gaps)[-(iters - 1):])
     last = ks[cuts[-1] + 1:] if cuts else ks
