@@ -5,8 +5,9 @@ sequence is the same as the whole model's).
     python scripts/step_hlo.py --layers 2 --shape decode:1:600 --shape decode:8:100
     python scripts/step_hlo.py --quantization fp8 --shape prefill:8:0:1024
 
-Writes ``$OUT/step_<label>.hlo.txt`` (``compiled.as_text()``) and
-``$OUT/step_<label>.kernels.txt`` (one step's kernels: name, microseconds).
+Writes ``$OUT/step_<tag>.hlo.txt`` (``compiled.as_text()``) and
+``$OUT/step_<tag>.kernels.txt`` (one step's kernels: name, microseconds), where the
+tag is the shape's label, then ``-<quantization>`` and ``-kv<dtype>`` when given.
 """
 from __future__ import annotations
 
@@ -88,7 +89,8 @@ def main():
         arrays, decode_only = step_profile.step_arrays(runner, int(batch), int(ctx),
                                                        int(q[0]) if q else 1)
         text = runner.lower_step(arrays, decode_only).compile().as_text()
-        tag = f"{label}-{args.quantization}" if args.quantization else label
+        tag = label + (f"-{args.quantization}" if args.quantization else "") + (
+            f"-kv{args.kv_cache_dtype}" if args.kv_cache_dtype != "auto" else "")
         with open(os.path.join(out, f"step_{tag}.hlo.txt"), "w") as f:
             f.write(text)
         ks = kernels_in_order(runner, arrays, decode_only)

@@ -49,7 +49,7 @@ class MemoryReport:
 
     def describe(self, block_size: int) -> str:
         gib = 1 << 30
-        draft = (f" (draft: weights {self.draft_weights / gib:.2f} GiB, KV per token "
+        draft = (f" (draft: weights and buffers {self.draft_weights / gib:.2f} GiB, KV per token "
                  f"{self.draft_per_block // block_size} bytes)" if self.draft_per_block else "")
         return (f"device memory {self.total / gib:.2f} GiB, weights {self.weights / gib:.2f} GiB, "
                 f"activation peak {self.activations / gib:.2f} GiB, KV per token "

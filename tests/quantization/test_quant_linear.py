@@ -92,12 +92,14 @@ def test_gpu_path_lowers_to_a_quantized_dot(kind, operand, acc):
 
 
 @pytest.mark.parametrize("kind,x_dtype,product", [("fp8", jnp.bfloat16, "bf16"),
+                                                  ("fp8", jnp.float16, "f32"),
                                                   ("fp8", jnp.float32, "f32"),
                                                   ("int8", jnp.bfloat16, "i32")])
 def test_fp8_layer_gemm_writes_the_layer_dtype(monkeypatch, kind, x_dtype, product):
     """QuantLinear's fp8 dot emits a bf16 layer's product in bf16 (half the bytes the
     GEMM writes at prompt sizes), the scales after it in f32; an f32 layer keeps f32
-    and int8's dot stays int32."""
+    and int8's dot stays int32. An f16 layer keeps f32 too: the unscaled product
+    passes f16's range (test_native_fp8_product_numbers)."""
     from flax import nnx
     nnx.use_eager_sharding(False)
     monkeypatch.setattr(linear, "native_dot", lambda: True)
@@ -113,23 +115,55 @@ def test_fp8_layer_gemm_writes_the_layer_dtype(monkeypatch, kind, x_dtype, produ
     assert len(dots) == 1 and f"-> tensor<300x512x{product}>" in dots[0], dots
 
 
+@pytest.mark.parametrize("x_dtype", [jnp.bfloat16, jnp.float16], ids=str)
+def test_native_fp8_product_numbers(monkeypatch, x_dtype):
+    """The native fp8 dot as the GPU runs it (forced on the CPU, which can run it):
+    the layer's output equals the f32-widened path's within the product's extra
+    rounding, and stays finite in an f16 layer, whose unscaled product (~1e6 here)
+    f16 could not hold."""
+    from flax import nnx
+    nnx.use_eager_sharding(False)
+    rng = np.random.default_rng(11)
+    k, n = 4096, 256
+    w = rng.standard_normal((n, k)).astype(np.float32) * 0.02
+    ws = np.abs(w).max(axis=1) / 448.0
+    layer = linear.QuantLinear(LinearScheme("fp8", None, ActScheme("fp8")), (n,), (k,),
+                               (None,), (None,))
+    layer.weight[...] = jnp.asarray(w / ws[:, None], jnp.float8_e4m3fn)
+    layer.weight_scale[...] = jnp.asarray(ws, jnp.float32)
+    x = jnp.asarray(rng.standard_normal((8, k)), x_dtype)
+    want = np.asarray(layer(x, tp=1), np.float32)          # CPU: widened to f32
+    monkeypatch.setattr(linear, "native_dot", lambda: True)
+    got = np.asarray(layer(x, tp=1), np.float32)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=0, atol=2 ** -7 * np.abs(want).max())
+
+
 @pytest.mark.parametrize("act", [ActScheme("fp8"), ActScheme("int8", symmetric=False)],
                          ids=["fp8", "int8_asym"])
 def test_token_scales_written_out_at_prompt_sizes(act):
-    """From SCALES_APART_TOKENS tokens the dynamic scales pass an optimization barrier
-    (XLA would otherwise recompute them inside the GEMM's epilogue); decode sizes
-    keep the fusions free; the values are the same either way."""
-    x = jax.random.normal(jax.random.PRNGKey(0), (linear.SCALES_APART_TOKENS, 64))
-    scales = jax.jit(lambda x: linear.activation_scales(x, 1, act))
+    """From SCALES_APART_TOKENS tokens the dynamic scales (and an asymmetric zero
+    point) pass an optimization barrier (XLA would otherwise recompute them inside
+    the GEMM's epilogue); decode sizes keep the fusions free; the values are the
+    layer's formula either way."""
+    outputs = 1 if act.symmetric else 2
     for t in (linear.SCALES_APART_TOKENS - 1, linear.SCALES_APART_TOKENS):
         text = lower_for_cuda(lambda x: linear.activation_scales(x, 1, act),
                               jax.ShapeDtypeStruct((t, 64), jnp.bfloat16))
-        assert ("optimization_barrier" in text) == (t >= linear.SCALES_APART_TOKENS)
-    big = scales(x)
-    small = scales(x[:-1])
-    for a, b in zip(big, small):
-        if a is not None:
-            np.testing.assert_array_equal(np.asarray(a)[:-1], np.asarray(b))
+        barriers = [line for line in text.splitlines() if "optimization_barrier" in line]
+        if t < linear.SCALES_APART_TOKENS:
+            assert barriers == []
+        else:
+            assert len(barriers) == 1 and barriers[0].count("tensor<512xf32>") == outputs
+        x = np.random.default_rng(t).standard_normal((t, 64)).astype(np.float32)
+        scale, zero = jax.jit(lambda x: linear.activation_scales(x, 1, act))(x)
+        if act.symmetric:
+            np.testing.assert_allclose(scale, np.abs(x).max(1) / 448.0, rtol=1e-6)
+            assert zero is None
+        else:
+            lo, hi = np.minimum(x.min(1), 0), np.maximum(x.max(1), 0)
+            np.testing.assert_allclose(scale, (hi - lo) / 255.0, rtol=1e-6)
+            np.testing.assert_array_equal(zero, np.round(-128 - lo / np.asarray(scale)))
 
 
 @pytest.mark.parametrize("in_shape,out_shape", [((256,), (4, 32)), ((256,), (2, 2, 16)),

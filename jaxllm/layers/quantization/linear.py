@@ -4,8 +4,10 @@ scales applied to its output.
 
 On a GPU the matmul is one dot of the quantized operands (XLA hands an fp8 or int8
 dot contracting K on both sides to cuBLASLt). On the CPU backend, which has no fp8
-dots, the same quantized values are widened to f32 first: exact with respect to
-the quantized values, so CPU tests check the numbers the GPU path computes.
+GEMMs, the same quantized values are widened to f32 first: exact with respect to
+the quantized values, so CPU tests check the numbers the GPU path computes, up to
+the GPU's rounding of a bf16 layer's fp8 product to bf16 before the scales
+(quantized_matmul's product_dtype; tested by forcing the native dot on the CPU).
 
 Letter legend: T tokens, N... output dims, K... contracted dims, G K-groups.
 """
@@ -102,10 +104,13 @@ def quantized_matmul(xq, x_scale, wq, w_scale, nk: int, native: bool, x_zero=Non
     x_zero * sum_k wq, so the dot itself stays one on the quantized operands.
 
     product_dtype: what the native fp8 dot writes before the scales (f32 sums either
-    way). A 16-bit product halves the bytes the GEMM writes and its consumer reads:
+    way). A bf16 product halves the bytes the GEMM writes and its consumer reads:
     with per-token and per-channel scales cuBLASLt cannot apply them itself, and at
     prompt sizes the f32 product of gate/up alone is 0.94 GB a layer for 8192 tokens.
-    It rounds the product once more (2^-9 relative in bf16) before the scales."""
+    It rounds the product once more (at most 2^-8 relative) before the scales, and
+    a row-parallel layer's cross-shard sum runs on it in bf16, as a bf16 model's
+    does. Never f16: the unscaled product (operands up to 448, summed over K)
+    passes f16's 65504."""
     dims = ((tuple(range(xq.ndim - nk, xq.ndim)), tuple(range(wq.ndim - nk, wq.ndim))),
             ((), ()))
     if native:
@@ -201,8 +206,9 @@ def int4_kernel_matmul(x, wq, scale, zero, scheme: LinearScheme, nk: int,
 
 
 def product_dtype(x_dtype):
-    """An fp8 layer's GEMM output: the layer's own 16-bit dtype (quantized_matmul)."""
-    return x_dtype if jnp.dtype(x_dtype).itemsize == 2 else jnp.float32
+    """An fp8 layer's GEMM output (quantized_matmul): bf16 in a bf16 layer, else f32
+    (f16 has not the range of the unscaled product)."""
+    return jnp.bfloat16 if jnp.dtype(x_dtype) == jnp.bfloat16 else jnp.float32
 
 
 class QuantLinear(nnx.Module):
