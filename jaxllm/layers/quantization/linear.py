@@ -205,7 +205,7 @@ def int4_kernel_matmul(x, wq, scale, zero, scheme: LinearScheme, nk: int,
     return y.reshape(t, *out)
 
 
-def product_dtype(x_dtype):
+def fp8_product_dtype(x_dtype):
     """An fp8 layer's GEMM output (quantized_matmul): bf16 in a bf16 layer, else f32
     (f16 has not the range of the unscaled product)."""
     return jnp.bfloat16 if jnp.dtype(x_dtype) == jnp.bfloat16 else jnp.float32
@@ -265,5 +265,5 @@ class QuantLinear(nnx.Module):
             xq, xs = quantize_per_token(x, self.nk, s.act,
                                         self.input_scale[...] if not s.act.dynamic else None)
             y = quantized_matmul(xq, xs, w, ws, self.nk, native_dot(),
-                                 product_dtype=product_dtype(x.dtype))
+                                 product_dtype=fp8_product_dtype(x.dtype))
         return y.astype(x.dtype)
