@@ -5,12 +5,13 @@ The gate/up GEMM writes its product unscaled (cuBLASLt takes scalar scales only)
 XLA the rest took two passes over that product at prompt sizes: a reduction fusion
 (scales, SiLU * up, the token's amax) and a second fusion that recomputed SiLU * up
 to cast it. On the H200 at 8,192 tokens of the Llama-3.1-8B shape that was 195 + 143
-us a layer, reading the 470 MB product twice. Here a program owns whole rows: it reads
-the product once, keeps SiLU * up in registers for the row's amax (or min / max),
-and writes the quantized row and its scale.
+us a layer, reading the 470 MB product twice from HBM. Here a program owns BR whole
+rows and walks them in chunks of BC columns twice: the first pass takes each row's
+amax (or min / max), the second recomputes SiLU * up, quantizes and stores it. The
+second pass reads what the first just read (57 KB a row at F = 14336), from L2.
 
-Letter legend: T tokens, F the MLP width (gate and up each), Fp F padded to a power
-of two, BR rows per program.
+Letter legend: T tokens, F the MLP width (gate and up each), BR rows per program, BC
+columns per chunk.
 """
 from __future__ import annotations
 
@@ -45,22 +46,39 @@ def _silu_mul(g, u):
     return g / (1.0 + jnp.exp(-g)) * u
 
 
-def _row_quant(h, dtype, symmetric, rint):
-    """h f32 [R, C] (padding columns 0) -> (quantized [R, C], scale [R], zero [R] or None)."""
+def _stats(h, symmetric):
+    """A chunk's per-row statistics: amax, or (min, max) for a zero point."""
+    if symmetric:
+        return (jnp.max(jnp.abs(h), axis=1),)
+    return jnp.min(h, axis=1), jnp.max(h, axis=1)
+
+
+def _merge(a, b, symmetric):
+    if symmetric:
+        return (jnp.maximum(a[0], b[0]),)
+    return jnp.minimum(a[0], b[0]), jnp.maximum(a[1], b[1])
+
+
+def _scale_zero(stats, dtype, symmetric, rint):
+    """(scale [R], zero point [R] or None) from a row's statistics, as jaxllm's layer."""
     if symmetric:
         qmax = FP8_MAX if dtype == "fp8" else INT8_MAX
-        scale = jnp.maximum(jnp.max(jnp.abs(h), axis=1) / qmax, MIN_SCALE)
-        y = h / scale[:, None]
-        if dtype == "fp8":
-            return jnp.clip(y, -FP8_MAX, FP8_MAX).astype(_STORE[dtype]), scale, None
-        return jnp.clip(rint(y), INT8_MIN, INT8_MAX).astype(jnp.int8), scale, None
+        return jnp.maximum(stats[0] / qmax, MIN_SCALE), None
     # int8 with a zero point: the row's [min, max], widened to take in 0, onto 256 levels.
-    lo = jnp.minimum(jnp.min(h, axis=1), 0.0)
-    hi = jnp.maximum(jnp.max(h, axis=1), 0.0)
+    lo, hi = jnp.minimum(stats[0], 0.0), jnp.maximum(stats[1], 0.0)
     scale = jnp.maximum((hi - lo) / (INT8_MAX - INT8_MIN), MIN_SCALE)
-    zero = rint(INT8_MIN - lo / scale)
-    y = rint(h / scale[:, None]) + zero[:, None]
-    return jnp.clip(y, INT8_MIN, INT8_MAX).astype(jnp.int8), scale, zero
+    return scale, rint(INT8_MIN - lo / scale)
+
+
+def _quantize(h, scale, zero, dtype, rint):
+    """h f32 [R, C] into ``dtype`` with per-row scale [R] (and zero point [R])."""
+    y = h / scale[:, None]
+    if dtype == "fp8":
+        return jnp.clip(y, -FP8_MAX, FP8_MAX).astype(_STORE[dtype])
+    y = rint(y)
+    if zero is not None:
+        y = y + zero[:, None]
+    return jnp.clip(y, INT8_MIN, INT8_MAX).astype(jnp.int8)
 
 
 def _check(p, x_scale, w_scale, x_zero, azp_adj, dtype, symmetric):
@@ -89,7 +107,9 @@ def ref_silu_and_mul_quant(p, x_scale, w_scale, x_zero=None, azp_adj=None, *, dt
     f = p.shape[2]
     az = None if azp_adj is None else azp_adj.reshape(-1)
     gu = _gate_up(p.reshape(p.shape[0], 2 * f), x_scale, w_scale.reshape(-1), x_zero, az)
-    return _row_quant(_silu_mul(gu[:, :f], gu[:, f:]), dtype, symmetric, jnp.round)
+    h = _silu_mul(gu[:, :f], gu[:, f:])
+    scale, zero = _scale_zero(_stats(h, symmetric), dtype, symmetric, jnp.round)
+    return _quantize(h, scale, zero, dtype, jnp.round), scale, zero
 
 
 def _rint_ptx(y):
@@ -100,20 +120,23 @@ def _rint_ptx(y):
         result_shape_dtypes=[jax.ShapeDtypeStruct(y.shape, jnp.float32)])[0]
 
 
-def default_rows(f: int) -> int:
-    """Rows a program owns: as many as keep BR x Fp at ROW_ELEMS, at least one."""
-    return max(1, ROW_ELEMS // common.next_pow2(f))
+# Columns per chunk and rows per program at F = 14336: not yet swept on the H200.
+BLOCK_COLS = 2048
+BLOCK_ROWS = 1
 
 
 @functools.partial(jax.jit, static_argnames=("dtype", "symmetric", "block_rows",
-                                             "num_warps", "interpret"))
+                                             "block_cols", "programs", "num_warps",
+                                             "num_stages", "interpret"))
 def silu_and_mul_quant(p, x_scale, w_scale, x_zero=None, azp_adj=None, *, dtype,
-                       symmetric=True, block_rows=None, num_warps=8, interpret=False):
-    """ref_silu_and_mul_quant's contract in one kernel; grid cdiv(T, BR)."""
+                       symmetric=True, block_rows=BLOCK_ROWS, block_cols=BLOCK_COLS,
+                       programs=None, num_warps=4, num_stages=1, interpret=False):
+    """ref_silu_and_mul_quant's contract in one kernel. Grid: `programs` programs, each
+    taking every programs-th block of BR rows (None: one program per block). Fewer
+    programs than blocks keep the rows in flight, read twice, within L2."""
     _check(p, x_scale, w_scale, x_zero, azp_adj, dtype, symmetric)
     t, _, f = p.shape
-    fp = common.next_pow2(f)
-    br = block_rows or default_rows(f)
+    bc = min(block_cols, common.next_pow2(f))
     asym = x_zero is not None
     aux = [x_scale.astype(jnp.float32), w_scale.reshape(2 * f).astype(jnp.float32)]
     if asym:
@@ -123,45 +146,91 @@ def silu_and_mul_quant(p, x_scale, w_scale, x_zero=None, azp_adj=None, *, dtype,
                  jax.ShapeDtypeStruct((t,), jnp.float32)]
     if not symmetric:
         out_shape.append(jax.ShapeDtypeStruct((t,), jnp.float32))
-    kernel = functools.partial(_kernel, t=t, f=f, fp=fp, br=br, asym=asym, dtype=dtype,
-                               symmetric=symmetric, rint=rint)
+    blocks = common.cdiv(t, block_rows)
+    grid = min(programs or blocks, blocks)
+    kernel = functools.partial(_kernel, t=t, f=f, bc=bc, br=block_rows, asym=asym,
+                               dtype=dtype, symmetric=symmetric, rint=rint, grid=grid,
+                               blocks=blocks)
     out = common.pallas_call(
-        kernel, out_shape=tuple(out_shape), grid=(common.cdiv(t, br),),
-        num_warps=num_warps, num_stages=1, interpret=interpret,
+        kernel, out_shape=tuple(out_shape), grid=(grid,),
+        num_warps=num_warps, num_stages=num_stages, interpret=interpret,
         name=f"silu_and_mul_quant_{dtype}")(p.reshape(t, 2 * f), *aux)
     return out[0], out[1], (out[2] if not symmetric else None)
 
 
-def _kernel(p_ref, xs_ref, ws_ref, *refs, t, f, fp, br, asym, dtype, symmetric, rint):
+def _kernel(p_ref, xs_ref, ws_ref, *refs, grid, blocks, **kw):
+    """Row blocks pid, pid + grid, ... (the last round's blocks past the end skip)."""
+    pid = pl.program_id(0)
+    rounds = common.cdiv(blocks, grid)
+    if rounds == 1:
+        _rows(pid, p_ref, xs_ref, ws_ref, *refs, **kw)
+        return
+
+    def body(j, carry):
+        blk = pid + j * grid
+
+        @pl.when(blk < blocks)
+        def _():
+            _rows(blk, p_ref, xs_ref, ws_ref, *refs, **kw)
+        return carry
+
+    jax.lax.fori_loop(0, rounds, body, 0)
+
+
+def _rows(blk, p_ref, xs_ref, ws_ref, *refs, t, f, bc, br, asym, dtype, symmetric, rint):
+    """Rows blk*BR .. (blk+1)*BR."""
+    # Loads and stores through pl.ds windows (start + arange), which Triton sees as
+    # contiguous and vectorizes; gathered index arrays load element by element.
     if asym:
         xz_ref, az_ref, *outs = refs
     else:
         xz_ref = az_ref = None
         outs = refs
-    rows = pl.program_id(0) * br + jnp.arange(br)
-    row_ok = rows < t
-    rows = jnp.where(row_ok, rows, 0)        # padding rows read row 0, never stored
-    cols = jnp.arange(fp)
-    col_ok = cols < f if fp != f else None
-    mask = row_ok[:, None] if col_ok is None else row_ok[:, None] & col_ok[None, :]
+    r0 = blk * br
+    row_ok = (r0 + jnp.arange(br)) < t if t % br else None
+    rws = pl.ds(r0, br)
 
-    def load(ref, c):      # [BR, Fp] of a [T, 2F] array at columns c; padding reads 0
+    def load(ref, idx, mask):
+        if mask is None:
+            return plgpu.load(ref.at[idx])
         zero = 0 if jnp.issubdtype(ref.dtype, jnp.integer) else 0.0
-        return plgpu.load(ref.at[rows[:, None], c[None, :]], mask=mask, other=zero)
+        return plgpu.load(ref.at[idx], mask=mask, other=zero)
 
-    def vec(ref, c):       # [1, Fp] of a [2F] array
-        return plgpu.load(ref.at[c], mask=col_ok, other=0.0)[None, :]
+    xs = load(xs_ref, rws, row_ok)[:, None]
+    xz = load(xz_ref, rws, row_ok)[:, None] if asym else None
 
-    xs = plgpu.load(xs_ref.at[rows])[:, None]
-    halves = []
-    for c in (cols, cols + f):
-        y = load(p_ref, c).astype(jnp.float32)
-        if asym:
-            y = y - plgpu.load(xz_ref.at[rows])[:, None] * vec(az_ref, c)
-        halves.append(y * xs * vec(ws_ref, c))
-    # Padding columns: gate 0 and up 0, so h is 0 there and leaves the row's range alone.
-    hq, scale, zero = _row_quant(_silu_mul(*halves), dtype, symmetric, rint)
-    common.store_rows(outs[0], rows, hq, f, row_ok)
-    common.store_vec(outs[1], rows, scale, row_ok)
+    def chunk(i):
+        """SiLU * up of columns i*BC .. (i+1)*BC: (h [BR, BC], its mask or None)."""
+        c0 = i * bc
+        col_ok = (c0 + jnp.arange(bc)) < f if f % bc else None
+        if row_ok is None:
+            mask = None if col_ok is None else jnp.broadcast_to(col_ok[None, :], (br, bc))
+        else:
+            mask = row_ok[:, None] if col_ok is None else row_ok[:, None] & col_ok[None, :]
+            mask = jnp.broadcast_to(mask, (br, bc))
+        halves = []
+        for start in (c0, c0 + f):     # gate, then up; padding columns read 0
+            cols = pl.ds(start, bc)
+            y = load(p_ref, (rws, cols), mask).astype(jnp.float32)
+            if asym:
+                y = y - xz * load(az_ref, cols, col_ok)[None, :]
+            halves.append(y * xs * load(ws_ref, cols, col_ok)[None, :])
+        return _silu_mul(*halves), mask
+
+    n = common.cdiv(f, bc)
+    # Zeros to start from: amax >= 0, and a zero point's range takes in 0 anyway.
+    first = tuple(jnp.zeros((br,), jnp.float32) for _ in range(1 if symmetric else 2))
+    stats = jax.lax.fori_loop(0, n, lambda i, s: _merge(s, _stats(chunk(i)[0], symmetric),
+                                                        symmetric), first)
+    scale, zero = _scale_zero(stats, dtype, symmetric, rint)
+
+    def write(i, carry):
+        h, mask = chunk(i)
+        plgpu.store(outs[0].at[rws, pl.ds(i * bc, bc)], _quantize(h, scale, zero, dtype, rint),
+                    mask=mask)
+        return carry
+
+    jax.lax.fori_loop(0, n, write, 0)
+    plgpu.store(outs[1].at[rws], scale, mask=row_ok)
     if not symmetric:
-        common.store_vec(outs[2], rows, zero, row_ok)
+        plgpu.store(outs[2].at[rws], zero, mask=row_ok)

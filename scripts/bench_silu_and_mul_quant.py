@@ -13,6 +13,9 @@ T = 16 ... 8192. Each kernel row also prints the kernel's agreement with the twi
 the GPU: quantized codes that differ (of all) and the largest scale difference.
 
     python3 scripts/bench_silu_and_mul_quant.py [--tokens 16,256,8192]
+        [--settings '[{"block_cols": 1024, "num_warps": 8}, ...]']
+
+--settings: kernel settings to time, a row each (default: the kernel's defaults).
 
 JSON to $OUT/bench_silu_and_mul_quant.json when OUT is set.
 """
@@ -71,9 +74,9 @@ def unfused(kind):
     return f
 
 
-def fused(kind, fn):
+def fused(kind, fn, **settings):
     _, dtype, symmetric = KINDS[kind]
-    return lambda *a: fn(*a, dtype=dtype, symmetric=symmetric)
+    return lambda *a: fn(*a, dtype=dtype, symmetric=symmetric, **settings)
 
 
 def time_us(fn, args, reps=100) -> float:
@@ -88,9 +91,19 @@ def time_us(fn, args, reps=100) -> float:
     return statistics.median(times) / COPIES
 
 
-def agreement(kind, args):
+def timed(fn, sets, label) -> float:
+    """us per call of fn over the COPIES input sets in one program (nan if it fails)."""
+    many = jax.jit(lambda *g: [fn(*x) for x in g])
+    try:
+        return round(time_us(many, sets), 1)
+    except Exception as e:      # noqa: BLE001 - a row says why it has no time
+        print(f"{label}: {type(e).__name__}: {str(e)[:300]}")
+        return float("nan")
+
+
+def agreement(kind, args, settings):
     """(codes that differ / all, largest |scale - twin's| / twin's) on the GPU."""
-    a = fused(kind, silu_and_mul_quant)(*args)
+    a = fused(kind, silu_and_mul_quant, **settings)(*args)
     b = fused(kind, ref_silu_and_mul_quant)(*args)
     qa, qb = np.asarray(a[0].astype(jnp.float32)), np.asarray(b[0].astype(jnp.float32))
     diff = float((qa != qb).mean())
@@ -102,34 +115,32 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="16,256,1024,8192")
     ap.add_argument("--kinds", default=",".join(KINDS))
+    ap.add_argument("--settings", default="[{}]")
     a = ap.parse_args()
     rows = []
     print(f"{'kind':9} {'T':>5} {'xla us':>8} {'twin us':>8} {'kernel us':>9} "
-          f"{'kernel GB/s':>11} {'codes differ':>12} {'scale diff':>10}")
+          f"{'kernel GB/s':>11} {'codes differ':>12} {'scale diff':>10}  settings")
     for kind in a.kinds.split(","):
         for t in (int(x) for x in a.tokens.split(",")):
             sets = [inputs(kind, t, jax.random.PRNGKey(c)) for c in range(COPIES)]
-            r = {"kind": kind, "tokens": t}
+            base = {}
             for name, fn in (("xla", unfused(kind)),
-                             ("twin", fused(kind, ref_silu_and_mul_quant)),
-                             ("kernel", fused(kind, silu_and_mul_quant))):
-                many = jax.jit(lambda *g, fn=fn: [fn(*s) for s in g])
+                             ("twin", fused(kind, ref_silu_and_mul_quant))):
+                base[name + "_us"] = timed(fn, sets, f"{kind} {t} {name}")
+            for settings in json.loads(a.settings):
+                r = {"kind": kind, "tokens": t, "settings": settings, **base}
+                r["kernel_us"] = timed(fused(kind, silu_and_mul_quant, **settings), sets,
+                                       f"{kind} {t} kernel {settings}")
+                moved = sets[0][0].nbytes + t * F + 4 * t   # product in; codes, scales out
+                r["kernel_gbps"] = round(moved / r["kernel_us"] / 1e3, 1)
                 try:
-                    r[name + "_us"] = round(time_us(many, sets), 1)
-                except Exception as e:      # noqa: BLE001 - a row says why it has no time
-                    print(f"{kind} {t} {name}: {type(e).__name__}: {str(e)[:300]}")
-                    r[name + "_us"] = float("nan")
-            p = sets[0][0]
-            moved = p.nbytes + t * F * 1 + 4 * t      # product in, codes and scales out
-            r["kernel_gbps"] = round(moved / r["kernel_us"] / 1e3, 1)
-            try:
-                r["codes_differ"], r["scale_diff"] = agreement(kind, sets[0])
-            except Exception:               # noqa: BLE001 - the timing row says why
-                r["codes_differ"] = r["scale_diff"] = float("nan")
-            rows.append(r)
-            print(f"{kind:9} {t:>5} {r['xla_us']:>8} {r['twin_us']:>8} {r['kernel_us']:>9} "
-                  f"{r['kernel_gbps']:>11} {r['codes_differ']:>12.2e} {r['scale_diff']:>10.2e}",
-                  flush=True)
+                    r["codes_differ"], r["scale_diff"] = agreement(kind, sets[0], settings)
+                except Exception:           # noqa: BLE001 - the timing row says why
+                    r["codes_differ"] = r["scale_diff"] = float("nan")
+                rows.append(r)
+                print(f"{kind:9} {t:>5} {r['xla_us']:>8} {r['twin_us']:>8} "
+                      f"{r['kernel_us']:>9} {r['kernel_gbps']:>11} {r['codes_differ']:>12.2e} "
+                      f"{r['scale_diff']:>10.2e}  {json.dumps(settings)}", flush=True)
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "bench_silu_and_mul_quant.json"), "w") as f:
             json.dump({"device": str(jax.devices()[0].device_kind), "rows": rows}, f, indent=1)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -28,20 +27,13 @@ def inv_frequencies(head_dim: int, theta: float, rope_scaling: tuple | None) -> 
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def rotary_table(positions, inv_freq):
-    """positions: i32[T]; inv_freq: f32[D/2] -> (cos, sin), f32[T, D/2] each, built once
-    per step and read by every layer. The barrier keeps them one array in memory:
-    without it XLA may fold the cos / sin back into each layer's RoPE fusion, which then
-    evaluates them once per element of [T, heads, D] instead of once per [T, D/2]."""
-    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
-    return jax.lax.optimization_barrier((jnp.cos(freqs), jnp.sin(freqs)))
-
-
-def apply_rotary(x, table, num_rotated: int | None = None):
-    """x: [T, H, D]; table: rotary_table's (cos, sin) -> [T, H, D] in x's dtype.
+def apply_rotary(x, positions, inv_freq, num_rotated: int | None = None):
+    """x: [T, H, D]; positions: i32[T]; inv_freq: f32[D/2] -> [T, H, D] in x's dtype.
     ``num_rotated``: only heads 0..num_rotated-1 turn (the q and k heads of a fused
     q/k/v array; the v heads pass through unchanged)."""
-    cos, sin = table[0][:, None, :], table[1][:, None, :]
+    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]   # [T, D/2]
+    cos = jnp.cos(freqs)[:, None, :]
+    sin = jnp.sin(freqs)[:, None, :]
     xf = x.astype(jnp.float32)
     x1, x2 = jnp.split(xf, 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)

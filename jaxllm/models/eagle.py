@@ -114,8 +114,7 @@ class EagleHead(nnx.Module):
                 x = x + self.fc_bias[...]
             residual = x
         k_cache, v_cache = kv_caches[0]
-        h, k_cache, v_cache = layer.self_attn(x, layer.self_attn.rotary_table(positions),
-                                              k_cache, v_cache, md, spec)
+        h, k_cache, v_cache = layer.self_attn(x, positions, k_cache, v_cache, md, spec)
         x = residual + h
         out = x + layer.mlp(layer.post_attention_layernorm(x))
         final = self.norm(out) if self.cfg.method == "eagle3" else out

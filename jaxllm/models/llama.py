@@ -18,7 +18,7 @@ from jaxllm.layers.attention import (AttentionMetadata, AttentionSpec, paged_att
 from jaxllm.layers.quantization.linear import (QuantLinear, fuses_silu_and_mul,
                                                silu_and_mul_quantized)
 from jaxllm.layers.quantization.schemes import QuantConfig
-from jaxllm.layers.rotary import apply_rotary, inv_frequencies, rotary_table
+from jaxllm.layers.rotary import apply_rotary, inv_frequencies
 from jaxllm.models.registry import ArchConfig
 from jaxllm.parallel.mesh import tp_size
 
@@ -85,14 +85,7 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
         self.cfg = cfg
 
-    def rotary_table(self, positions):
-        """This layer's (cos, sin) at `positions` (rotary_table), for every layer."""
-        cfg = self.cfg
-        return rotary_table(positions, inv_frequencies(cfg.head_dim, cfg.rope_theta,
-                                                       cfg.rope_scaling))
-
-    def __call__(self, x, rope, k_cache, v_cache, md, spec):
-        """rope: rotary_table's (cos, sin) at the tokens' positions."""
+    def __call__(self, x, positions, k_cache, v_cache, md, spec):
         cfg, tp = self.cfg, tp_size(spec.mesh)
         q = _proj(self.q_proj, x, "te,eqd->tqd", tp)
         kv = _proj(self.kv_proj, x, "te,eskd->tskd", tp)
@@ -102,17 +95,18 @@ class Attention(nnx.Module):
         k, v = kv[:, 0], kv[:, 1]
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
+        inv_freq = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         if tp <= 1:
             # One [T, Hq + 2 Hkv, D] array, RoPE on its q and k heads: XLA writes it in
             # one fusion and the decode kernels read it in place; separate q, k and v
             # arrays take three fusions per layer.
             qkv = jnp.concatenate([q, k, v], axis=1)
-            qkv = apply_rotary(qkv, rope, num_rotated=q.shape[1] + k.shape[1])
+            qkv = apply_rotary(qkv, positions, inv_freq, num_rotated=q.shape[1] + k.shape[1])
             out, k_cache, v_cache = paged_attention_qkv(qkv, k_cache, v_cache, md, spec,
                                                         q.shape[1])
         else:   # head-sharded q and k/v: a concatenation would reshard them
-            q = apply_rotary(q, rope)
-            k = apply_rotary(k, rope)
+            q = apply_rotary(q, positions, inv_freq)
+            k = apply_rotary(k, positions, inv_freq)
             out, k_cache, v_cache = paged_attention(q, k, v, k_cache, v_cache, md, spec)
         return _proj(self.o_proj, out, "tqd,qde->te", tp), k_cache, v_cache
 
@@ -140,10 +134,10 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, dtype, rngs, quant, prefix + "mlp.")
 
-    def __call__(self, x, rope, k_cache, v_cache, md, spec):
+    def __call__(self, x, positions, k_cache, v_cache, md, spec):
         with jax.named_scope("attn"):
             h, k_cache, v_cache = self.self_attn(
-                self.input_layernorm(x), rope, k_cache, v_cache, md, spec)
+                self.input_layernorm(x), positions, k_cache, v_cache, md, spec)
         x = x + h
         with jax.named_scope("mlp"):
             x = x + self.mlp(self.post_attention_layernorm(x), tp_size(spec.mesh))
@@ -171,7 +165,6 @@ class LlamaForCausalLM(nnx.Module):
         target layers) also [T, len(aux_layers) * E]: the residual stream entering
         each of those layers, concatenated in their order (vLLM's aux hidden states)."""
         x = jnp.take(self.embed_tokens[...], input_ids, axis=0)
-        rope = self.layers[0].self_attn.rotary_table(positions)
         new_caches, aux = [], {}
         # Layers unrolled in Python: each has its own weight arrays, so XLA never
         # slices a stacked weight per step (measured faster than lax.scan on GPU).
@@ -179,7 +172,7 @@ class LlamaForCausalLM(nnx.Module):
             if i in aux_layers:
                 aux[i] = x
             with jax.named_scope(f"layer{i}"):
-                x, k_cache, v_cache = layer(x, rope, *kv_caches[i], md, spec)
+                x, k_cache, v_cache = layer(x, positions, *kv_caches[i], md, spec)
             new_caches.append((k_cache, v_cache))
         if not aux_layers:
             return self.norm(x), new_caches

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.layers.rotary import apply_rotary
+from jaxllm.layers.rotary import apply_rotary, inv_frequencies
 
 logger = logging.getLogger(__name__)
 
@@ -66,8 +66,8 @@ def pick_attention(cfg, dtype) -> str:
     return "cudnn"
 
 
-def _attention(attn, x, rope, b: int, t: int, impl: str):
-    """x: [N, E]; rope: rotary_table's (cos, sin) at the N positions -> [N, E]."""
+def _attention(attn, x, positions, b: int, t: int, impl: str):
+    """x: [N, E]; positions: i32 [N] -> [N, E]."""
     cfg = attn.cfg
     q = jnp.einsum("ne,eqd->nqd", x, attn.q_proj[...])
     kv = jnp.einsum("ne,eskd->nskd", x, attn.kv_proj[...])
@@ -77,8 +77,9 @@ def _attention(attn, x, rope, b: int, t: int, impl: str):
     k, v = kv[:, 0], kv[:, 1]
     if cfg.qk_norm:
         q, k = attn.q_norm(q), attn.k_norm(k)
-    q = apply_rotary(q, rope)
-    k = apply_rotary(k, rope)
+    inv_freq = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    q = apply_rotary(q, positions, inv_freq)
+    k = apply_rotary(k, positions, inv_freq)
     rows = lambda a: a.reshape(b, t, a.shape[1], cfg.head_dim)  # noqa: E731
     out = attention_core(rows(q), rows(k), rows(v), cfg.sliding_window, impl)
     return jnp.einsum("nqd,qde->ne", out.reshape(b * t, cfg.num_heads, cfg.head_dim),
@@ -92,11 +93,10 @@ def decoder_hidden(model, input_ids, lengths, attention: str = "xla"):
     del lengths
     b, t = input_ids.shape
     positions = jnp.tile(jnp.arange(t), b)
-    rope = model.layers[0].self_attn.rotary_table(positions)
     x = jnp.take(model.embed_tokens[...], input_ids.reshape(-1), axis=0)
     for i, layer in enumerate(model.layers):
         with jax.named_scope(f"layer{i}"):
-            x = x + _attention(layer.self_attn, layer.input_layernorm(x), rope, b, t,
+            x = x + _attention(layer.self_attn, layer.input_layernorm(x), positions, b, t,
                                attention)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
     return model.norm(x).reshape(b, t, -1)
