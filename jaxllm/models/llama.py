@@ -15,8 +15,7 @@ from flax import nnx
 
 from jaxllm.layers.attention import (AttentionMetadata, AttentionSpec, paged_attention,
                                     paged_attention_qkv)
-from jaxllm.layers.quantization.linear import (QuantLinear, fuses_silu_and_mul,
-                                               silu_and_mul_quantized)
+from jaxllm.layers.quantization.linear import QuantLinear
 from jaxllm.layers.quantization.schemes import QuantConfig
 from jaxllm.layers.rotary import apply_rotary, inv_frequencies
 from jaxllm.models.registry import ArchConfig
@@ -120,8 +119,6 @@ class MLP(nnx.Module):
                                  ("mlp",), ("embed",))
 
     def __call__(self, x, tp: int | None = None):
-        if fuses_silu_and_mul(self.gate_up_proj, self.down_proj):
-            return silu_and_mul_quantized(self.gate_up_proj, self.down_proj, x, tp)
         gu = _proj(self.gate_up_proj, x, "te,esf->tsf", tp)
         h = jax.nn.silu(gu[:, 0]) * gu[:, 1]
         return _proj(self.down_proj, h, "tf,fe->te", tp)

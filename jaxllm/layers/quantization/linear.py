@@ -111,24 +111,14 @@ def quantized_matmul(xq, x_scale, wq, w_scale, nk: int, native: bool, x_zero=Non
     a row-parallel layer's cross-shard sum runs on it in bf16, as a bf16 model's
     does. Never f16: the unscaled product (operands up to 448, summed over K)
     passes f16's 65504."""
-    y = quantized_dot(xq, wq, nk, native, product_dtype).astype(jnp.float32)
-    return scale_product(y, x_scale, w_scale, x_zero, azp_adj)
-
-
-def quantized_dot(xq, wq, nk: int, native: bool, product_dtype=jnp.float32):
-    """quantized_matmul's dot alone, unscaled: [T, N...] in product_dtype (int32 for
-    int8 operands; f32 where not native)."""
     dims = ((tuple(range(xq.ndim - nk, xq.ndim)), tuple(range(wq.ndim - nk, wq.ndim))),
             ((), ()))
     if native:
         acc = jnp.int32 if xq.dtype == jnp.int8 else product_dtype
-        return jax.lax.dot_general(xq, wq, dims, preferred_element_type=acc)
-    return jax.lax.dot_general(xq.astype(jnp.float32), wq.astype(jnp.float32), dims,
-                               preferred_element_type=jnp.float32)
-
-
-def scale_product(y, x_scale, w_scale, x_zero=None, azp_adj=None):
-    """quantized_matmul's scales on its f32 product y [T, N...]."""
+        y = jax.lax.dot_general(xq, wq, dims, preferred_element_type=acc).astype(jnp.float32)
+    else:
+        y = jax.lax.dot_general(xq.astype(jnp.float32), wq.astype(jnp.float32), dims,
+                                preferred_element_type=jnp.float32)
     if x_zero is not None:
         y = y - x_zero.reshape(x_zero.shape + (1,) * (y.ndim - 1)) * azp_adj
     x_scale = jnp.asarray(x_scale, jnp.float32)
@@ -268,69 +258,12 @@ class QuantLinear(nnx.Module):
                     ((), ()))
             y = jax.lax.dot_general(x, w.astype(x.dtype), dims,
                                     preferred_element_type=jnp.float32) * ws
+        elif not s.act.symmetric:
+            xq, xs, xz = quantize_per_token_asym(x, self.nk)
+            y = quantized_matmul(xq, xs, w, ws, self.nk, native_dot(), xz, self.azp_adj[...])
         else:
-            y = self.from_quantized(*self.quantize_input(x), x.dtype)
+            xq, xs = quantize_per_token(x, self.nk, s.act,
+                                        self.input_scale[...] if not s.act.dynamic else None)
+            y = quantized_matmul(xq, xs, w, ws, self.nk, native_dot(),
+                                 product_dtype=fp8_product_dtype(x.dtype))
         return y.astype(x.dtype)
-
-    def quantize_input(self, x):
-        """x quantized as this W8A8 layer takes it: (xq, scale [T] or the stored scalar,
-        zero point [T] or None)."""
-        s = self.scheme
-        if not s.act.symmetric:
-            return quantize_per_token_asym(x, self.nk)
-        xq, xs = quantize_per_token(x, self.nk, s.act,
-                                    self.input_scale[...] if not s.act.dynamic else None)
-        return xq, xs, None
-
-    def product(self, xq, x_dtype):
-        """The W8A8 GEMM's unscaled product [T, N...] of a quantized input (x_dtype: the
-        layer's float dtype, which picks fp8_product_dtype)."""
-        return quantized_dot(xq, self.weight[...], self.nk, native_dot(),
-                             fp8_product_dtype(x_dtype))
-
-    def from_quantized(self, xq, x_scale, x_zero, x_dtype):
-        """The W8A8 layer's f32 output for an input already quantized as it would
-        quantize it (quantize_input's triple)."""
-        y = self.product(xq, x_dtype).astype(jnp.float32)
-        return scale_product(y, x_scale, self.weight_scale[...], x_zero,
-                             self.azp_adj[...] if x_zero is not None else None)
-
-
-def _w8a8(w) -> bool:
-    s = getattr(w, "scheme", None)
-    return (isinstance(w, QuantLinear) and s.act is not None and s.group is None
-            and s.block is None)
-
-
-def fuses_silu_and_mul(gate_up, down) -> bool:
-    """gate/up and down both W8A8, down's input quantized per token in the layer: the
-    MLP then runs silu_and_mul_quantized."""
-    return (_w8a8(gate_up) and _w8a8(down) and down.scheme.act.dynamic
-            and down.scheme.act.group_size is None)
-
-
-# On a GPU, the MLP's SiLU * up and the down input's quantization run as one Pallas
-# kernel (pallas_kernels/silu_and_mul_quant.py) from this many tokens; below, and on
-# the CPU or under tensor parallelism, its plain-jnp twin runs through XLA.
-SILU_QUANT_KERNEL_TOKENS = 1
-
-
-def silu_and_mul_quantized(gate_up, down, x, tp: int | None = None):
-    """down(SiLU(gate) * up) of x [T, E] for fuses_silu_and_mul's projections: the
-    gate/up GEMM's unscaled product goes to silu_and_mul_quant, which applies its
-    scales, takes SiLU * up in f32 and quantizes it per token as down's input; down's
-    GEMM runs on that. [T, E] in x's dtype."""
-    from pallas_kernels.silu_and_mul_quant import (ref_silu_and_mul_quant,
-                                                   silu_and_mul_quant)
-    xq, xs, xz = gate_up.quantize_input(x)
-    t = x.shape[0]
-    unsharded = tp == 1 if tp is not None else jax.device_count() == 1
-    fn = (silu_and_mul_quant if on_gpu() and unsharded and t >= SILU_QUANT_KERNEL_TOKENS
-          else ref_silu_and_mul_quant)
-    act = down.scheme.act
-    hq, hs, hz = fn(gate_up.product(xq, x.dtype),
-                    jnp.broadcast_to(jnp.asarray(xs, jnp.float32), (t,)),
-                    gate_up.weight_scale[...], xz,
-                    gate_up.azp_adj[...] if xz is not None else None,
-                    dtype=act.dtype, symmetric=act.symmetric)
-    return down.from_quantized(hq, hs, hz, x.dtype).astype(x.dtype)
