@@ -33,7 +33,8 @@ class Executor:
         prepare_devices(config)
         self.mesh = mesh_lib.make_mesh(config.parallel.tensor_parallel_size)
         loaded = load_model(mc.model, mc.dtype, mc.load_format,
-                            mesh_lib.param_shardings(self.mesh), mc.seed, mc.quantization)
+                            mesh_lib.param_shardings(self.mesh), mc.seed, mc.quantization,
+                            tp=self.mesh.size)
         self.weights_s = time.perf_counter() - t0
         self.arch, self.model_path = loaded.arch, loaded.source
         # The same checks the CLI runs before loading (context length, batch budget, TP).

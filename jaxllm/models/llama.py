@@ -5,7 +5,8 @@ F MLP width, V vocab, S sampled rows.
 
 Parameters carry logical axis names (``out_sharding`` metadata); parallel/mesh.py maps
 them to mesh axes. K and V projections are one [E, 2, K, D] weight and gate/up one
-[E, 2, F] weight: one matmul each, and still shardable by head / by MLP column.
+[E, 2, F] weight: one matmul each, and still shardable by head / by MLP column. A
+quantized layer's q and k/v are one qkv_proj ([K, G + 2, D] output rows, G = Q / K).
 """
 from __future__ import annotations
 
@@ -70,10 +71,15 @@ class Attention(nnx.Module):
         q, k, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         e = cfg.hidden_size if in_size is None else in_size
         hd = ("q_heads", "head_dim")
-        self.q_proj = _linear(rngs, dtype, quant, prefix + "q_proj", (e,), (q, d),
-                              ("embed",), hd)
-        self.kv_proj = _linear(rngs, dtype, quant, prefix + "kv_proj", (e,), (2, k, d),
-                               ("embed",), (None, "kv_heads", "head_dim"))
+        qkv = quant.scheme(prefix + "qkv_proj") if quant is not None else None
+        if qkv is not None:     # schemes.fuse_qkv: rows grouped by KV head, TP-shardable
+            self.qkv_proj = QuantLinear(qkv, (k, q // k + 2, d), (e,),
+                                        ("kv_heads", None, "head_dim"), ("embed",))
+        else:
+            self.q_proj = _linear(rngs, dtype, quant, prefix + "q_proj", (e,), (q, d),
+                                  ("embed",), hd)
+            self.kv_proj = _linear(rngs, dtype, quant, prefix + "kv_proj", (e,), (2, k, d),
+                                   ("embed",), (None, "kv_heads", "head_dim"))
         self.o_proj = _linear(rngs, dtype, quant, prefix + "o_proj", (q, d),
                               (cfg.hidden_size,), hd, ("embed",))
         if cfg.attention_bias:
@@ -84,16 +90,28 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
         self.cfg = cfg
 
-    def __call__(self, x, positions, k_cache, v_cache, md, spec):
-        cfg, tp = self.cfg, tp_size(spec.mesh)
-        q = _proj(self.q_proj, x, "te,eqd->tqd", tp)
-        kv = _proj(self.kv_proj, x, "te,eskd->tskd", tp)
+    def project_qkv(self, x, tp: int | None = None):
+        """x [T, E] -> q [T, Q, D], k and v [T, K, D], biases added and q/k normed."""
+        cfg = self.cfg
+        if hasattr(self, "qkv_proj"):
+            y = self.qkv_proj(x, tp)                              # [T, K, G + 2, D]
+            g = cfg.num_heads // cfg.num_kv_heads
+            q = y[:, :, :g].reshape(x.shape[0], cfg.num_heads, cfg.head_dim)
+            k, v = y[:, :, g], y[:, :, g + 1]
+        else:
+            q = _proj(self.q_proj, x, "te,eqd->tqd", tp)
+            kv = _proj(self.kv_proj, x, "te,eskd->tskd", tp)
+            k, v = kv[:, 0], kv[:, 1]
         if cfg.attention_bias:
-            q = q + self.q_bias[...]
-            kv = kv + self.kv_bias[...]
-        k, v = kv[:, 0], kv[:, 1]
+            kv_bias = self.kv_bias[...]
+            q, k, v = q + self.q_bias[...], k + kv_bias[0], v + kv_bias[1]
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
+
+    def __call__(self, x, positions, k_cache, v_cache, md, spec):
+        cfg, tp = self.cfg, tp_size(spec.mesh)
+        q, k, v = self.project_qkv(x, tp)
         inv_freq = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         if tp <= 1:
             # One [T, Hq + 2 Hkv, D] array, RoPE on its q and k heads: XLA writes it in

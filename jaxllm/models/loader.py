@@ -47,6 +47,14 @@ def _kv(a, k, v):
                     ).transpose(3, 0, 1, 2)
 
 
+def _qkv(a, q, k, v):
+    """[E, Hkv, G + 2, D]: each KV head's query heads, then its k and v head (the
+    quantized qkv_proj's rows, quant_loader.join_parts), for online quantization."""
+    h = a.num_kv_heads
+    rows = [x.reshape(h, -1, a.head_dim, a.hidden_size) for x in (q, k, v)]
+    return np.concatenate(rows, axis=1).transpose(3, 0, 1, 2)
+
+
 WEIGHT_MAP: dict[str, tuple[tuple[str, ...], Callable]] = {
     "embed_tokens": (("model.embed_tokens.weight",), lambda a, w: w),
     "norm.weight": (("model.norm.weight",), lambda a, w: w),
@@ -58,6 +66,8 @@ WEIGHT_MAP: dict[str, tuple[tuple[str, ...], Callable]] = {
     "layers.{i}.self_attn.q_proj": (("model.layers.{i}.self_attn.q_proj.weight",), _heads("num_heads")),
     "layers.{i}.self_attn.kv_proj": (("model.layers.{i}.self_attn.k_proj.weight",
                                       "model.layers.{i}.self_attn.v_proj.weight"), _kv),
+    "layers.{i}.self_attn.qkv_proj": (tuple(f"model.layers.{{i}}.self_attn.{p}_proj.weight"
+                                            for p in "qkv"), _qkv),
     "layers.{i}.self_attn.o_proj": (
         ("model.layers.{i}.self_attn.o_proj.weight",),
         lambda a, w: w.T.reshape(a.num_heads, a.head_dim, a.hidden_size)),
@@ -312,13 +322,13 @@ class SafetensorsReader:
 
 
 def load_hf_folder(folder: str, dtype_name: str, shardings: Callable,
-                   quantization: str | None = None) -> LoadedModel:
-    from jaxllm.models.quant_config import resolve_quantization
+                   quantization: str | None = None, tp: int = 1) -> LoadedModel:
+    from jaxllm.models.quant_config import resolve_for_tp
     from jaxllm.models.quant_loader import check_float_tensors
     hf = read_hf_config(folder)
     arch = arch_from_hf_config(hf, os.path.join(folder, "config.json"))
-    quant = resolve_quantization(hf, quantization, arch.num_layers,
-                                 os.path.join(folder, "config.json"))
+    quant = resolve_for_tp(hf, quantization, arch, os.path.join(folder, "config.json"),
+                                  tp)
     dtype = resolve_dtype(dtype_name, hf.get("torch_dtype") or hf.get("dtype"))
     reader = SafetensorsReader(folder)
     if arch.tie_word_embeddings is False and not reader.has("lm_head.weight"):
@@ -333,13 +343,14 @@ def load_hf_folder(folder: str, dtype_name: str, shardings: Callable,
 
 def load_model(path: str | None, dtype_name: str = "auto", load_format: str = "auto",
                shardings: Callable | None = None, seed: int = 0,
-               quantization: str | None = None) -> LoadedModel:
+               quantization: str | None = None, tp: int = 1) -> LoadedModel:
     """Load an HF folder or GGUF file (None = the embedded default) into sharded params.
 
     `shardings(path, logical_axes, shape)` -> jax Sharding; default: the first device.
     `quantization`: --quantization (None: the checkpoint's quantization_config, if any).
+    `tp`: the tensor-parallel size `shardings` splits over.
     """
-    loaded = _load_model(path, dtype_name, load_format, shardings, seed, quantization)
+    loaded = _load_model(path, dtype_name, load_format, shardings, seed, quantization, tp)
     import jax
     gib = sum(x.nbytes for x in jax.tree.leaves(loaded.state)) / (1 << 30)
     logger.info("weights: %.3f GiB (%s)", gib, "not quantized" if loaded.quant is None
@@ -347,10 +358,10 @@ def load_model(path: str | None, dtype_name: str = "auto", load_format: str = "a
     return loaded
 
 
-def _load_model(path, dtype_name, load_format, shardings, seed, quantization):
+def _load_model(path, dtype_name, load_format, shardings, seed, quantization, tp):
     import jax
     from jaxllm.models.gguf_loader import default_model_path, open_gguf
-    from jaxllm.models.quant_config import resolve_quantization
+    from jaxllm.models.quant_config import resolve_for_tp
     if shardings is None:
         dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         shardings = lambda p, axes, shape=None: dev  # noqa: E731
@@ -367,8 +378,8 @@ def _load_model(path, dtype_name, load_format, shardings, seed, quantization):
         arch = arch_from_hf_config(hf, path)
         # GGUF weights are quantized: dequantize to float32 unless a dtype is asked.
         dtype = resolve_dtype(dtype_name, "float32")
-        quant = resolve_quantization(None, quantization, arch.num_layers, path,
-                                     dummy=load_format == "dummy")
+        quant = resolve_for_tp(None, quantization, arch, path, tp,
+                                      dummy=load_format == "dummy")
         if load_format == "dummy":
             return LoadedModel(arch, *dummy_state(arch, dtype, shardings, seed, quant),
                                path, quant)
@@ -377,8 +388,8 @@ def _load_model(path, dtype_name, load_format, shardings, seed, quantization):
     if load_format == "dummy":
         hf = read_hf_config(path)
         arch = arch_from_hf_config(hf, os.path.join(path, "config.json"))
-        quant = resolve_quantization(hf, quantization, arch.num_layers,
-                                     os.path.join(path, "config.json"), dummy=True)
+        quant = resolve_for_tp(hf, quantization, arch, os.path.join(path, "config.json"),
+                                      tp, dummy=True)
         dtype = resolve_dtype(dtype_name, hf.get("torch_dtype") or hf.get("dtype"))
         return LoadedModel(arch, *dummy_state(arch, dtype, shardings, seed, quant), path, quant)
-    return load_hf_folder(path, dtype_name, shardings, quantization)
+    return load_hf_folder(path, dtype_name, shardings, quantization, tp)

@@ -10,11 +10,12 @@ native FP8 (`quant_method: fp8`: e4m3 weights, `weight_scale_inv` per block or
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 
 from jaxllm.layers.quantization.schemes import (CHECKPOINT_METHODS, ONLINE_METHODS,
-                                                ActScheme, LinearScheme,
-                                                QuantConfig, online_scheme, uniform_config)
+                                                ActScheme, LinearScheme, QuantConfig,
+                                                online_scheme, unfuse_qkv, uniform_config)
 from jaxllm.models.errors import CheckpointError
 from jaxllm.models.quant_layers import layer_schemes, mixed_skip_error, unless_skipped
 
@@ -58,6 +59,17 @@ def resolve_quantization(hf: dict | None, flag: str | None, num_layers: int,
         from jaxllm.models.quant_woq import woq_config
         return woq_config(method, qc, num_layers, source)
     return _compressed_tensors(qc, num_layers, source)
+
+
+def resolve_for_tp(hf: dict | None, flag: str | None, arch, source: str, tp: int,
+                   dummy: bool = False) -> QuantConfig | None:
+    """resolve_quantization for a model split over `tp` devices. A fused qkv_proj is
+    split by KV head, so where `tp` does not divide them q_proj and kv_proj stay
+    apart: q split by query head, k/v replicated (as in the float model)."""
+    quant = resolve_quantization(hf, flag, arch.num_layers, source, dummy=dummy)
+    if quant is not None and arch.num_kv_heads % tp:
+        quant = dataclasses.replace(quant, schemes=unfuse_qkv(quant.schemes))
+    return quant
 
 
 # ---------------------------------------------------------------- native FP8

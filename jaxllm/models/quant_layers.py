@@ -2,14 +2,15 @@
 the FP8, compressed-tensors and GPTQ/AWQ configs."""
 from __future__ import annotations
 
-from jaxllm.layers.quantization.schemes import PROJECTIONS
+from jaxllm.layers.quantization.schemes import PROJECTIONS, fuse_qkv
 from jaxllm.models.errors import CheckpointError
 
 
 def layer_schemes(num_layers: int, scheme_of, mixed) -> list[tuple]:
     """("layers.i.proj", scheme) for each fused projection of each layer whose HF
     modules `scheme_of(name)` quantizes (None: left float). Modules fused into one
-    matmul must agree; `mixed(names)` is the CheckpointError when they do not."""
+    matmul must agree; `mixed(names)` is the CheckpointError when they do not. q_proj
+    and kv_proj of one scheme become one qkv_proj (schemes.fuse_qkv)."""
     schemes = []
     for i in range(num_layers):
         for proj, parts in PROJECTIONS.items():
@@ -19,7 +20,7 @@ def layer_schemes(num_layers: int, scheme_of, mixed) -> list[tuple]:
                 raise mixed(names)
             if found[0] is not None:
                 schemes.append((f"layers.{i}.{proj}", found[0]))
-    return schemes
+    return list(fuse_qkv(schemes))
 
 
 def unless_skipped(scheme, skip: list[str]):

@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 
-from jaxllm.layers.quantization.schemes import (FP8_MAX, INT8_MAX, PROJECTIONS,
+from jaxllm.layers.quantization.schemes import (FP8_MAX, HF_PARTS, INT8_MAX, QKV,
                                                 LinearScheme, QuantConfig)
 from jaxllm.models.errors import CheckpointError
 from jaxllm.models.registry import ArchConfig
@@ -36,11 +36,25 @@ def module_shapes(arch: ArchConfig, proj: str) -> tuple[tuple, tuple, list[tuple
     q, k, d = arch.num_heads, arch.num_kv_heads, arch.head_dim
     return {
         "self_attn.q_proj": ((q, d), (e,), [(q * d, e)]),
+        QKV: ((k, q // k + 2, d), (e,), [(q * d, e), (k * d, e), (k * d, e)]),
         "self_attn.kv_proj": ((2, k, d), (e,), [(k * d, e)] * 2),
         "self_attn.o_proj": ((e,), (q, d), [(e, q * d)]),
         "mlp.gate_up_proj": ((2, f), (e,), [(f, e)] * 2),
         "mlp.down_proj": ((e,), (f,), [(e, f)]),
     }[proj]
+
+
+def join_parts(arch: ArchConfig, proj: str, xs: list[np.ndarray]) -> np.ndarray:
+    """The HF parts' per-row arrays [N_part, ...] as one projection's rows: stacked (k/v,
+    gate/up), or for qkv_proj grouped by KV head (each one's query heads, then its k
+    and v heads: [Hkv, G + 2, D] rows), so that a split by KV head (tensor
+    parallelism) gives every shard its own q, k and v."""
+    if len(xs) == 1:
+        return xs[0]
+    if proj != QKV:
+        return np.stack(xs)
+    h = arch.num_kv_heads
+    return np.concatenate([x.reshape((h, -1) + x.shape[1:]) for x in xs], axis=1)
 
 
 def _split(name: str) -> tuple[str, int, str, str]:
@@ -69,7 +83,7 @@ class QuantWeights:
 
     # ------------------------------------------------------------ checks
     def _hf(self, layer: int, proj: str) -> list[str]:
-        return [f"model.layers.{layer}.{p}" for p in PROJECTIONS[proj]]
+        return [f"model.layers.{layer}.{p}" for p in HF_PARTS[proj]]
 
     def _scale_name(self, part: str, scheme: LinearScheme) -> str:
         inv = f"{part}.weight_scale_inv"
@@ -149,9 +163,9 @@ class QuantWeights:
         parts = self._hf(layer, proj)
         r = self.reader
         if scheme.group is not None:
-            return self._grouped(parts, out_shape, in_shape, hf_shapes, scheme)
+            return self._grouped(proj, parts, out_shape, in_shape, hf_shapes, scheme)
         w = [np.asarray(r.raw(f"{p}.weight")) for p in parts]
-        weight = (np.stack(w) if len(w) > 1 else w[0]).reshape(out_shape + in_shape)
+        weight = join_parts(self.arch, proj, w).reshape(out_shape + in_shape)
         scales = []
         for p, (n, _) in zip(parts, hf_shapes):
             s = r.get(self._scale_name(p, scheme))
@@ -162,7 +176,7 @@ class QuantWeights:
             scales.append(s)
         lead = out_shape if scheme.block is None else out_shape + (scales[0].shape[-1],)
         arrays = {"weight": weight, "weight_scale": np.ascontiguousarray(
-            (np.stack(scales) if len(scales) > 1 else scales[0]).reshape(lead), np.float32)}
+            join_parts(self.arch, proj, scales).reshape(lead), np.float32)}
         if scheme.act is not None and not scheme.act.dynamic:
             # One input feeds the fused parts; vLLM takes the largest of their scales
             # (calibration of one input gives them all the same one).
@@ -170,14 +184,13 @@ class QuantWeights:
                 max(float(r.get(f"{p}.input_scale").reshape(-1)[0]) for p in parts), np.float32)
         return arrays
 
-    def _grouped(self, parts, out_shape, in_shape, hf_shapes, scheme) -> dict:
+    def _grouped(self, proj, parts, out_shape, in_shape, hf_shapes, scheme) -> dict:
         from jaxllm.models.quant_woq import load_part, pack_nibbles
         got = [load_part(self.reader, self.quant.layout, p, n, k, scheme)
                for p, (n, k) in zip(parts, hf_shapes)]
 
         def join(i):
-            xs = [g[i] for g in got]
-            return np.stack(xs) if len(xs) > 1 else xs[0]
+            return join_parts(self.arch, proj, [g[i] for g in got])
         q = join(0)
         if scheme.weight == "uint4":
             q = pack_nibbles(q)
@@ -187,8 +200,9 @@ class QuantWeights:
                   "weight_scale": join(1).reshape(out_shape + (groups,)),
                   "weight_zero_point": join(2).reshape(out_shape + (groups,))}
         if scheme.g_idx:
-            if any(not np.array_equal(g[3], got[0][3]) for g in got):
-                raise CheckpointError(f"{self.source}: {parts[0]} and {parts[1]} have "
+            odd = [p for p, g in zip(parts, got) if not np.array_equal(g[3], got[0][3])]
+            if odd:
+                raise CheckpointError(f"{self.source}: {parts[0]} and {odd[0]} have "
                                       "different g_idx; jaxllm fuses them into one matmul")
             arrays["g_idx"] = got[0][3]
         return arrays
@@ -233,7 +247,7 @@ def check_float_tensors(reader, quant: QuantConfig | None, source: str) -> None:
     if quant is not None and not quant.online:
         for module, _ in quant.schemes:
             _, layer, proj, _ = _split(module + ".x")
-            quantized.update(f"model.layers.{layer}.{p}." for p in PROJECTIONS[proj])
+            quantized.update(f"model.layers.{layer}.{p}." for p in HF_PARTS[proj])
     for name in reader.names():
         if not name.endswith((".weight", ".bias")):    # what the float loader reads
             continue

@@ -69,14 +69,7 @@ def pick_attention(cfg, dtype) -> str:
 def _attention(attn, x, positions, b: int, t: int, impl: str):
     """x: [N, E]; positions: i32 [N] -> [N, E]."""
     cfg = attn.cfg
-    q = jnp.einsum("ne,eqd->nqd", x, attn.q_proj[...])
-    kv = jnp.einsum("ne,eskd->nskd", x, attn.kv_proj[...])
-    if cfg.attention_bias:
-        q = q + attn.q_bias[...]
-        kv = kv + attn.kv_bias[...]
-    k, v = kv[:, 0], kv[:, 1]
-    if cfg.qk_norm:
-        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k, v = attn.project_qkv(x)
     inv_freq = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     q = apply_rotary(q, positions, inv_freq)
     k = apply_rotary(k, positions, inv_freq)

@@ -110,7 +110,7 @@ class DraftModelProposer:
         mc = engine_config.model
         load_format = "dummy" if mc.load_format == "dummy" else "auto"
         loaded = load_model(spec_config.model, mc.dtype, load_format,
-                            mesh_lib.param_shardings(mesh), mc.seed)
+                            mesh_lib.param_shardings(mesh), mc.seed, tp=mesh.size)
         check_draft_vocab(target_arch.vocab_size, loaded.arch.vocab_size, spec_config.model)
         config = engine_config.replace(
             model=dataclasses.replace(mc, model=spec_config.model, quantization=None))

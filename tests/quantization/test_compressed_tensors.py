@@ -51,12 +51,14 @@ def test_greedy_matches_dequantized_hf(checkpoints, case):
     ours, llm = qu.jaxllm_greedy(folder, prompts, N)
     ref = qu.hf_greedy(qu.dequantized_hf(folder, kind, mode), prompts, N)
     assert ours == ref
-    # The weights stay quantized on the device, [N, K] (HF's own layout for q_proj).
+    # The weights stay quantized on the device, [N, K] (HF's own layout), q and k/v as
+    # one qkv_proj: each KV head's query heads, then its k and v head.
     state = dict(nnx.to_flat_state(llm.llm_engine.runner.state))
-    w = state[("layers", 0, "self_attn", "q_proj", "weight")].get_value()
+    w = state[("layers", 0, "self_attn", "qkv_proj", "weight")].get_value()
     assert w.dtype == (jnp_fp8() if kind == "fp8" else np.int8)
     a = llm.llm_engine.runner.arch
-    assert w.shape == (a.num_heads, a.head_dim, a.hidden_size)
+    g = a.num_heads // a.num_kv_heads
+    assert w.shape == (a.num_kv_heads, g + 2, a.head_dim, a.hidden_size)
 
 
 def jnp_fp8():

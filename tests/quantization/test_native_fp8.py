@@ -42,14 +42,21 @@ def test_hf_fp8_loader_agrees(fp8_folder):
     assert loaded.quant.method == "fp8" and not loaded.quant.online
     state = dict(nnx.to_flat_state(loaded.state))
     a = loaded.arch
-    for name, mod in (("self_attn", "q_proj"), ("mlp", "down_proj")):
+    layer = hf.model.layers[1]
+    hk, d, e = a.num_kv_heads, a.head_dim, a.hidden_size
+    by_head = lambda m: m.weight.detach().numpy().reshape(hk, -1, d, e)  # noqa: E731
+    refs = {  # qkv_proj: each KV head's query heads, then its k and v head
+        ("self_attn", "qkv_proj"): np.concatenate(
+            [by_head(layer.self_attn.q_proj), by_head(layer.self_attn.k_proj),
+             by_head(layer.self_attn.v_proj)], axis=1),
+        ("mlp", "down_proj"): layer.mlp.down_proj.weight.detach().numpy()}
+    for (name, mod), ref in refs.items():
         w = np.asarray(state[("layers", 1, name, mod, "weight")].get_value()).astype(np.float32)
         s = np.asarray(state[("layers", 1, name, mod, "weight_scale")].get_value())
         w = w.reshape(-1, s.shape[-1], 128) * s.reshape(-1, s.shape[-1], 1)
-        ref = getattr(getattr(hf.model.layers[1], name), mod).weight.detach().numpy()
         np.testing.assert_array_equal(w.reshape(ref.shape), ref)
-    assert state[("layers", 0, "self_attn", "q_proj", "weight")].get_value().shape == (
-        a.num_heads, a.head_dim, a.hidden_size)
+    assert state[("layers", 0, "self_attn", "qkv_proj", "weight")].get_value().shape == (
+        hk, a.num_heads // hk + 2, d, e)
     for n, m in hf.named_modules():
         if isinstance(m, torch.nn.Linear) and n != "lm_head":
             m.register_forward_pre_hook(qu.act_hook("fp8", "group"))

@@ -113,7 +113,8 @@ def test_auto_detected_and_confirmed(tmp_path):
     auto = load_model(folder, "float32")
     named = load_model(folder, "float32", quantization="compressed-tensors")
     assert auto.quant == named.quant and auto.quant.method == "compressed-tensors"
-    assert not auto.quant.online and len(auto.quant.schemes) == 2 * 5
+    # per layer: qkv_proj (q and k/v fused, one scheme), o_proj, gate_up_proj, down_proj
+    assert not auto.quant.online and len(auto.quant.schemes) == 2 * 4
 
 
 def test_float_model_stays_float(tiny_model):

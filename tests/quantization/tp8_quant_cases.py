@@ -83,21 +83,25 @@ def test_weights_and_scales_shard_alike(run, case, tp):
     llm = run(case, tp)[0]
     arch = llm.llm_engine.runner.arch
     state = dict(nnx.to_flat_state(llm.llm_engine.runner.state))
-    kv = "tp" if arch.num_kv_heads % tp == 0 else None
+    fused = arch.num_kv_heads % tp == 0
     block = CASES[case][1] in ("native", "gptq")    # scales per row and K-group
     # o_proj's block / group scales: one per 128 (GPTQ here: 32) of its Q*D inputs,
     # split when tp divides them
     size = 32 if CASES[case][1] == "gptq" else 128
     o_groups = "tp" if (arch.num_heads * arch.head_dim // size) % tp == 0 else None
     want = {   # (weight spec, scale spec): each scale split like its weight's output rows
+        # q and k/v are one qkv_proj, its rows grouped by KV head, split by KV head;
+        # with fewer KV heads than devices they stay apart, q split by query head
+        "qkv_proj": (P("tp", None, None, None),
+                     P("tp", None, None, None) if block else P("tp", None, None)),
         "q_proj": (P("tp", None, None), P("tp", None, None) if block else P("tp", None)),
-        "kv_proj": (P(None, kv, None, None),
-                    P(None, kv, None, None) if block else P(None, kv, None)),
+        "kv_proj": (P(None, None, None, None),
+                    P(None, None, None, None) if block else P(None, None, None)),
         "o_proj": (P(None, "tp", None), P(None, o_groups) if block else P(None)),
         "gate_up_proj": (P(None, "tp", None), P(None, "tp", None) if block else P(None, "tp")),
         "down_proj": (P(None, "tp"), P(None, "tp") if block else P(None)),
     }
-    seen = 0
+    seen, names = 0, set()
     for path, var in state.items():
         if path[-1] not in ("weight", "weight_scale", "weight_zero_point") \
                 or path[-2] not in want:
@@ -105,5 +109,7 @@ def test_weights_and_scales_shard_alike(run, case, tp):
         spec = var.get_value().sharding.spec
         expect = want[path[-2]][path[-1] != "weight"]     # zeros split like scales
         assert tuple(spec) + (None,) * (len(expect) - len(spec)) == tuple(expect), (path, spec)
-        seen += 1
-    assert seen == (15 if CASES[case][1] == "gptq" else 10) * arch.num_layers
+        seen, names = seen + 1, names | {path[-2]}
+    assert ("qkv_proj" in names) == fused and ("q_proj" in names) == (not fused)
+    projections = 4 if fused else 5
+    assert seen == (3 if CASES[case][1] == "gptq" else 2) * projections * arch.num_layers

@@ -1,8 +1,8 @@
 """What a quantized linear layer holds and computes, as static (hashable) settings;
 no jax here, so the launcher can check a checkpoint without starting a backend.
 
-A LinearScheme says how one jaxllm projection (q_proj, kv_proj, o_proj, gate_up_proj,
-down_proj) stores its weight and quantizes its input. A QuantConfig maps every
+A LinearScheme says how one jaxllm projection (q_proj, kv_proj or both as qkv_proj,
+o_proj, gate_up_proj, down_proj) stores its weight and quantizes its input. A QuantConfig maps every
 projection of the model to its scheme (None = left in the float dtype).
 """
 from __future__ import annotations
@@ -103,11 +103,45 @@ PROJECTIONS: dict[str, tuple[str, ...]] = {
 }
 
 
+# Quantized q and k/v projections of one scheme are one matmul, as vLLM's qkv_proj:
+# they share their input, and XLA's dot merger would otherwise copy both weights into
+# one array every step (cuBLASLt and the 4-bit kernel cannot read the pieces in place)
+# or, without the merger, run two GEMMs and two kernels to read their outputs.
+QKV = "self_attn.qkv_proj"
+HF_PARTS: dict[str, tuple[str, ...]] = {
+    **PROJECTIONS, QKV: ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")}
+
+
+def fuse_qkv(schemes) -> tuple[tuple[str, LinearScheme], ...]:
+    """(module, scheme) pairs with each layer's q_proj and kv_proj, where their schemes
+    are equal, replaced by one qkv_proj."""
+    by_module = dict(schemes)
+    out = []
+    for module, scheme in schemes:
+        layer, _, proj = module.partition(".self_attn.")
+        if proj not in ("q_proj", "kv_proj") or by_module.get(
+                f"{layer}.self_attn.q_proj") != by_module.get(f"{layer}.self_attn.kv_proj"):
+            out.append((module, scheme))
+        elif proj == "q_proj":
+            out.append((f"{layer}.{QKV}", scheme))
+    return tuple(out)
+
+
+def unfuse_qkv(schemes) -> tuple[tuple[str, LinearScheme], ...]:
+    """fuse_qkv undone: each qkv_proj back to q_proj and kv_proj."""
+    out = []
+    for module, scheme in schemes:
+        layer, _, proj = module.partition(".self_attn.")
+        out += ([(f"{layer}.self_attn.q_proj", scheme), (f"{layer}.self_attn.kv_proj", scheme)]
+                if proj == "qkv_proj" else [(module, scheme)])
+    return tuple(out)
+
+
 def uniform_config(method: str, num_layers: int, scheme: LinearScheme,
                    online: bool) -> QuantConfig:
     """Every projection of every layer in one scheme."""
-    return QuantConfig(method, online, tuple(
-        (f"layers.{i}.{p}", scheme) for i in range(num_layers) for p in PROJECTIONS))
+    return QuantConfig(method, online, fuse_qkv(
+        [(f"layers.{i}.{p}", scheme) for i in range(num_layers) for p in PROJECTIONS]))
 
 
 def online_scheme(method: str) -> LinearScheme:
