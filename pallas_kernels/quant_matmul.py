@@ -203,12 +203,10 @@ def quant_matmul(x, w, x_scale, w_scale, *, out_dtype=None, block_n=None, block_
                    dot_dtype=dot_dtype, name="quant_matmul", interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("group", "scales", "split_x", "unpack")
-                   + _SETTINGS)
+@functools.partial(jax.jit, static_argnames=("group", "scales", "split_x") + _SETTINGS)
 def quant_matmul_int4(x, w, scale, zero, *, group, out_dtype=None, block_n=None,
                       block_k=None, k_splits=None, num_warps=None, num_stages=None,
-                      dot_dtype=None, scales=None, split_x=True, unpack="bytes",
-                      interpret=False):
+                      dot_dtype=None, scales=None, split_x=True, interpret=False):
     """Same contract as ``ref_quant_matmul_int4`` (G a power of two); the rest are kernel
     settings (default_settings). The dot runs in x's dtype unless ``dot_dtype``.
 
@@ -250,12 +248,6 @@ def quant_matmul_int4(x, w, scale, zero, *, group, out_dtype=None, block_n=None,
     chunk = min(bk, group)
     half, last, ragged = chunk // 2, k // 2 - 1, k % bk != 0
     split_x = split_x and k % chunk == 0
-    words = (unpack == "words" and scales == "output" and not ragged and chunk >= 64
-             and jnp.dtype(dot_dtype) in _SIXTEEN)
-    if words:
-        return _int4_words(x, w, scale, zero, group=group, st=st, chunk=chunk,
-                           groups=groups, out_dtype=out_dtype, dot_dtype=dot_dtype,
-                           interpret=interpret)
     if split_x:
         x = x.reshape(m, k // chunk, half, 2).swapaxes(2, 3).reshape(m, k)
 
@@ -292,52 +284,6 @@ def quant_matmul_int4(x, w, scale, zero, *, group, out_dtype=None, block_n=None,
     aux = [scale.astype(jnp.float32), zero.astype(jnp.float32)]
     return _launch(step, epilogue, x, w, aux, n=n, st=st, out_dtype=out_dtype,
                    dot_dtype=dot_dtype, name="quant_matmul_int4", interpret=interpret)
-
-
-def _int4_words(x, w, scale, zero, *, group, st, chunk, groups, out_dtype, dot_dtype,
-                interpret):
-    """quant_matmul_int4 with scales="output", the weight read as u32 words of 8 nibbles
-    (columns 8c .. 8c + 7 of word c, nibble j at bits 4j). One shift and one mask-or
-    per word and j < 4 give a pair of 16-bit floats (16 + q): nibble j in the low half,
-    j + 4 in the high one, so the 32-bit value is already two dot operands side by
-    side. x's columns are reordered to match: per chunk, for j = 0..3, each word's
-    (j, j + 4) columns."""
-    m, k = x.shape
-    n = w.shape[0]
-    c = chunk // 8                                    # words per chunk
-    w32 = lax.bitcast_convert_type(w.reshape(n, k // 8, 4), jnp.uint32)
-    x = x.reshape(m, k // chunk, c, 2, 4).transpose(0, 1, 4, 2, 3).reshape(m, k)
-    base, shift = _SIXTEEN[jnp.dtype(dot_dtype)]
-    mask, base2 = (15 << shift) * 0x10001, base * 0x10001
-    bk = st["bk"]
-
-    def step(aux_refs, x_ref, w_ref, rows, xrows, i, acc):
-        s_ref, z_ref = aux_refs
-        for cc in range(bk // chunk):
-            first = i * bk + cc * chunk
-            wt = w_ref[rows[:, None], (lax.div(first, 8) + jnp.arange(c))[None, :]]
-            d, xsum = None, None
-            for j in range(4):
-                sh = 4 * j - shift
-                t = (wt >> sh if sh > 0 else wt << -sh) & jnp.uint32(mask)
-                t = t | jnp.uint32(base2)
-                lo = lax.bitcast_convert_type(t.astype(jnp.uint16), dot_dtype)
-                hi = lax.bitcast_convert_type((t >> 16).astype(jnp.uint16), dot_dtype)
-                plane = jnp.stack([lo, hi], axis=-1).reshape(lo.shape[0], 2 * c)
-                xj = _load_x(x_ref, xrows, first + j * 2 * c + jnp.arange(2 * c), k, False)
-                xj = xj.astype(dot_dtype)
-                p = plgpu.dot(plane, xj, trans_b=True)
-                xs = jnp.sum(xj.astype(jnp.float32), axis=1)
-                d, xsum = (p, xs) if d is None else (d + p, xsum + xs)
-            g = jnp.minimum(lax.div(first, group), groups - 1)
-            sc, z = s_ref[rows, g], z_ref[rows, g] + 16.0
-            acc = acc + sc[:, None] * (d - z[:, None] * xsum[None, :])
-        return acc
-
-    aux = [scale.astype(jnp.float32), zero.astype(jnp.float32)]
-    return _launch(step, lambda aux_refs, acc, rows, xrows: acc, x, w32, aux, n=n, st=st,
-                   out_dtype=out_dtype, dot_dtype=dot_dtype, name="quant_matmul_int4_words",
-                   interpret=interpret)
 
 
 # 16.0 in bf16 and f16, whose last mantissa bits count in units of one: the value with
