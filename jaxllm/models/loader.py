@@ -327,8 +327,7 @@ def load_hf_folder(folder: str, dtype_name: str, shardings: Callable,
     from jaxllm.models.quant_loader import check_float_tensors
     hf = read_hf_config(folder)
     arch = arch_from_hf_config(hf, os.path.join(folder, "config.json"))
-    quant = resolve_for_tp(hf, quantization, arch, os.path.join(folder, "config.json"),
-                                  tp)
+    quant = resolve_for_tp(hf, quantization, arch, os.path.join(folder, "config.json"), tp)
     dtype = resolve_dtype(dtype_name, hf.get("torch_dtype") or hf.get("dtype"))
     reader = SafetensorsReader(folder)
     if arch.tie_word_embeddings is False and not reader.has("lm_head.weight"):
@@ -379,7 +378,7 @@ def _load_model(path, dtype_name, load_format, shardings, seed, quantization, tp
         # GGUF weights are quantized: dequantize to float32 unless a dtype is asked.
         dtype = resolve_dtype(dtype_name, "float32")
         quant = resolve_for_tp(None, quantization, arch, path, tp,
-                                      dummy=load_format == "dummy")
+                               dummy=load_format == "dummy")
         if load_format == "dummy":
             return LoadedModel(arch, *dummy_state(arch, dtype, shardings, seed, quant),
                                path, quant)
@@ -389,7 +388,7 @@ def _load_model(path, dtype_name, load_format, shardings, seed, quantization, tp
         hf = read_hf_config(path)
         arch = arch_from_hf_config(hf, os.path.join(path, "config.json"))
         quant = resolve_for_tp(hf, quantization, arch, os.path.join(path, "config.json"),
-                                      tp, dummy=True)
+                               tp, dummy=True)
         dtype = resolve_dtype(dtype_name, hf.get("torch_dtype") or hf.get("dtype"))
         return LoadedModel(arch, *dummy_state(arch, dtype, shardings, seed, quant), path, quant)
     return load_hf_folder(path, dtype_name, shardings, quantization, tp)

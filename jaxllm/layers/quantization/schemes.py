@@ -2,8 +2,9 @@
 no jax here, so the launcher can check a checkpoint without starting a backend.
 
 A LinearScheme says how one jaxllm projection (q_proj, kv_proj or both as qkv_proj,
-o_proj, gate_up_proj, down_proj) stores its weight and quantizes its input. A QuantConfig maps every
-projection of the model to its scheme (None = left in the float dtype).
+o_proj, gate_up_proj, down_proj) stores its weight and quantizes its input. A
+QuantConfig maps every projection of the model to its scheme (None = left in the float
+dtype).
 """
 from __future__ import annotations
 
