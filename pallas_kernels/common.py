@@ -121,14 +121,6 @@ def store_rows(ref, rows, x, d, mask, lead=()):
                 mask=_row_col_mask(mask, cols, d))
 
 
-def load_vec(ref):
-    """All of a 1-D ``ref`` as ``[next_pow2(len)]`` (Triton's blocks are powers of two),
-    the padding read as 0."""
-    n = ref.shape[0]
-    idx = jnp.arange(next_pow2(n))
-    return plgpu.load(ref.at[jnp.minimum(idx, n - 1)], mask=idx < n, other=0)
-
-
 def store_vec(ref, idx, x, mask, lead=()):
     """``ref[*lead, idx] = x`` where ``mask``, same out-of-bounds trick as store_rows."""
     idx = jnp.where(mask, idx, ref.shape[-1])

@@ -11,11 +11,6 @@ so each KV block is read from HBM once. Split ``k`` of a sequence covers an equa
 of *that sequence's* steps (computed in-kernel from ``seq_lens``), so a short sequence
 in a wide block table still spreads over all splits. Each split writes its normalized
 partial output and log2-sum-exp; the combine is a small fused XLA op.
-
-Where S x Hkv programs do not fill the card, the splits in use follow the sequences
-that are live (``seq_lens`` > 0), counted in-kernel: a step padded to S rows for one
-sequence spreads that one over up to NS splits, where a split count fixed for S would
-give it S times fewer programs than the card has SMs.
 """
 from __future__ import annotations
 
@@ -55,21 +50,6 @@ def default_k_splits(num_seqs, num_kv_heads, max_steps):
     save."""
     want = common.next_pow2(common.cdiv(common.num_sms(), num_seqs * num_kv_heads))
     return max(1, min(want, max_steps // 2))
-
-
-# Splits that the live sequences may use when the padded ones leave SMs idle
-# (adaptive_k_splits): each is one more partial output per row to write and combine.
-MAX_ADAPTIVE_SPLITS = 8
-
-
-def adaptive_k_splits(num_seqs, num_kv_heads, max_steps) -> int:
-    """NS where the splits follow the live sequences (0: they do not, default_k_splits
-    fills the card): as many as one live sequence would want, at most
-    MAX_ADAPTIVE_SPLITS and max_steps // 2."""
-    if default_k_splits(num_seqs, num_kv_heads, max_steps) <= 1:
-        return 0
-    want = common.next_pow2(common.cdiv(common.num_sms(), num_kv_heads))
-    return max(1, min(want, MAX_ADAPTIVE_SPLITS, max_steps // 2))
 
 
 def default_dot_dtype(q_dtype, kv_dtype):
@@ -120,16 +100,14 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, *, sm_sc
     blocks_per_step, num_stages = blocks_per_step or fit[0], num_stages or fit[1]
     tile = blocks_per_step * bs
     max_steps = common.cdiv(block_tables.shape[1] * bs, tile)
-    adapt = 0 if k_splits else adaptive_k_splits(num_seqs, hkv, max_steps)
-    ns = k_splits or adapt or default_k_splits(num_seqs, hkv, max_steps)
+    ns = k_splits or default_k_splits(num_seqs, hkv, max_steps)
     dot_dtype = jnp.dtype(default_dot_dtype(q.dtype, k_cache.dtype) if dot_dtype is None
                           else dot_dtype)
     # A query cast for the dots takes sm_scale * log2(e) along (see default_dot_dtype).
     q_scale = sm_scale * common.LOG2E if dot_dtype != q.dtype else None
     kernel = functools.partial(
         _decode_kernel, hq=hq, q_stride=q_stride, g=g, gp=gp, d=d, dp=dp, bs=bs, tile=tile,
-        num_splits=ns, adaptive=adapt > 1, sms=common.num_sms(), window=sliding_window,
-        v_scale=v_scale, per_block=per_block,
+        num_splits=ns, window=sliding_window, v_scale=v_scale, per_block=per_block,
         dot_dtype=dot_dtype, q_scale=q_scale,
         scale2=k_scale * (1.0 if q_scale else sm_scale * common.LOG2E))
     part_dtype = jnp.float32 if ns > 1 else q.dtype
@@ -173,16 +151,9 @@ def combine_splits(o, lse):
     return num / jnp.where(den == 0.0, 1.0, den)[:, None]
 
 
-def _live_splits(lens_ref, hkv, num_splits, sms):
-    """Splits per sequence for the live ones: about one program per SM over them, at
-    least 1, at most ``num_splits`` (the same value in every program)."""
-    live = jnp.maximum(jnp.sum((common.load_vec(lens_ref) > 0).astype(jnp.int32)), 1)
-    return jnp.clip(common.cdiv(sms, live * hkv), 1, num_splits)
-
-
 def _decode_kernel(bt_ref, lens_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, hq, q_stride, g,
-                   gp, d, dp, bs, tile, num_splits, adaptive, sms, window, scale2, v_scale,
-                   per_block, dot_dtype, q_scale):
+                   gp, d, dp, bs, tile, num_splits, window, scale2, v_scale, per_block,
+                   dot_dtype, q_scale):
     s, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     kvlen = lens_ref[s]
     head = h * g + jnp.minimum(jnp.arange(gp), g - 1)
@@ -195,8 +166,7 @@ def _decode_kernel(bt_ref, lens_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, hq,
     lo = 0 if window is None else jnp.maximum(kvlen - window, 0)
     first = lax.div(lo, tile) if window is not None else 0
     last = common.cdiv(kvlen, tile)
-    used = _live_splits(lens_ref, hq // g, num_splits, sms) if adaptive else num_splits
-    per = common.cdiv(last - first, used)
+    per = common.cdiv(last - first, num_splits)
     start = jnp.minimum(first + split * per, last)
     end = jnp.minimum(start + per, last)
     # Steps fully inside [lo, kvlen) need no mask; only the last one is partial.

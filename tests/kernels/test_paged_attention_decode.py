@@ -7,8 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 from kernel_cases import FP8, assert_close, make_case, run
-from pallas_kernels.paged_attention_decode import (MAX_ADAPTIVE_SPLITS, adaptive_k_splits,
-                                                   combine_splits, default_dot_dtype,
+from pallas_kernels.paged_attention_decode import (combine_splits, default_dot_dtype,
                                                    paged_attention_decode,
                                                    ref_paged_attention_decode)
 
@@ -108,24 +107,3 @@ def test_f16_dots_keep_queries_past_the_f16_range():
     out = run(functools.partial(paged_attention_decode, interpret=True, k_splits=2, **kw),
               *args)
     assert_close(out, ref_paged_attention_decode(*args, **kw), rtol=2e-2)
-
-
-@pytest.mark.parametrize("live", [1, 5, 8, 16])
-def test_splits_follow_the_live_sequences(live):
-    """A step padded to 16 rows (8 KV heads) with `live` real sequences: the kernel
-    holds adaptive_k_splits = 5 splits and uses cdiv(132 SMs, live x 8) of them, at
-    most 5 (5, 4, 3, 2 here); each count must add up to the reference."""
-    kv_lens = ([130, 37, 1, 100] * 4)[:live] + [0] * (16 - live)
-    c = make_case(3, q_lens=[1] * 16, kv_lens=kv_lens, hq=16, hkv=8, d=64, bs=16)
-    assert adaptive_k_splits(16, 8, c.block_tables.shape[1]) == 5
-    out = run(functools.partial(paged_attention_decode, sm_scale=0.3, interpret=True,
-                                blocks_per_step=1), *_args(c))
-    assert_close(out, ref_paged_attention_decode(*_args(c), sm_scale=0.3))
-    assert (out[live:] == 0).all()
-
-
-def test_adaptive_splits_only_where_the_card_is_not_filled():
-    # 16 rows x 8 KV heads (the 8B model's decode-1 bucket): up to 8 splits.
-    assert adaptive_k_splits(16, 8, 32) == MAX_ADAPTIVE_SPLITS == 8
-    assert adaptive_k_splits(16, 8, 6) == 3        # >= 2 steps a split
-    assert adaptive_k_splits(64, 8, 32) == 0       # 512 programs fill 132 SMs
