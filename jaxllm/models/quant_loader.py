@@ -96,9 +96,17 @@ class QuantWeights:
         _, in_shape, hf_shapes = module_shapes(self.arch, proj)
         r = self.reader
         if scheme.group is not None:
-            from jaxllm.models.quant_woq import check_part
-            for part, (n, k) in zip(self._hf(layer, proj), hf_shapes):
+            from jaxllm.models.quant_woq import check_part, g_idx_name
+            parts = self._hf(layer, proj)
+            for part, (n, k) in zip(parts, hf_shapes):
                 check_part(r, self.quant.layout, part, n, k, scheme)
+            if scheme.g_idx:     # one matmul: one act order for all its parts
+                name = [g_idx_name(self.quant.layout, p) for p in parts]
+                odd = [p for p, g in zip(parts, name)
+                       if not np.array_equal(r.raw(g), r.raw(name[0]))]
+                if odd:
+                    raise CheckpointError(f"{self.source}: {parts[0]} and {odd[0]} have "
+                                          "different g_idx; jaxllm fuses them into one matmul")
             return
         for part, (n, k) in zip(self._hf(layer, proj), hf_shapes):
             w = f"{part}.weight"
@@ -199,11 +207,7 @@ class QuantWeights:
         arrays = {"weight": q.reshape(out_shape + stored),
                   "weight_scale": join(1).reshape(out_shape + (groups,)),
                   "weight_zero_point": join(2).reshape(out_shape + (groups,))}
-        if scheme.g_idx:
-            odd = [p for p, g in zip(parts, got) if not np.array_equal(g[3], got[0][3])]
-            if odd:
-                raise CheckpointError(f"{self.source}: {parts[0]} and {odd[0]} have "
-                                      "different g_idx; jaxllm fuses them into one matmul")
+        if scheme.g_idx:      # the parts' act orders are equal (_check)
             arrays["g_idx"] = got[0][3]
         return arrays
 

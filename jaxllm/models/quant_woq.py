@@ -116,7 +116,7 @@ def part_tensors(layout: str, part: str, n: int, k: int, scheme: LinearScheme) -
         out = {f"{part}.qweight": ((k * b // 32, n), ints),
                f"{part}.qzeros": ((g, n * b // 32), ints), f"{part}.scales": ((g, n), floats)}
         if scheme.g_idx:
-            out[f"{part}.g_idx"] = ((k,), ints)
+            out[g_idx_name(layout, part)] = ((k,), ints)
         return out
     if layout == "awq":
         return {f"{part}.qweight": ((k, n // 8), ints), f"{part}.qzeros": ((g, n // 8), ints),
@@ -124,8 +124,13 @@ def part_tensors(layout: str, part: str, n: int, k: int, scheme: LinearScheme) -
     out = {f"{part}.weight_packed": ((n, k * b // 32), ints),
            f"{part}.weight_scale": ((n, g), floats)}
     if scheme.g_idx:
-        out[f"{part}.weight_g_idx"] = ((k,), ints)
+        out[g_idx_name(layout, part)] = ((k,), ints)
     return out
+
+
+def g_idx_name(layout: str, part: str) -> str:
+    """The act-order map's tensor name in this layout."""
+    return f"{part}.g_idx" if layout in ("gptq", "gptq_v2") else f"{part}.weight_g_idx"
 
 
 def check_part(reader, layout: str, part: str, n: int, k: int, scheme: LinearScheme) -> None:
@@ -162,7 +167,7 @@ def load_part(reader, layout: str, part: str, n: int, k: int, scheme: LinearSche
         z = z + 1 if layout == "gptq" else z       # v1 stores zero - 1
         s = get(f"{part}.scales").T
         if scheme.g_idx:
-            g_idx = np.asarray(raw(f"{part}.g_idx"), np.int32)
+            g_idx = np.asarray(raw(g_idx_name(layout, part)), np.int32)
     elif layout == "awq":
         q = unpack(np.asarray(raw(f"{part}.qweight")), 4, 1, _AWQ_ORDER).T
         z = unpack(np.asarray(raw(f"{part}.qzeros")), 4, 1, _AWQ_ORDER).T.astype(np.float32)
@@ -176,7 +181,7 @@ def load_part(reader, layout: str, part: str, n: int, k: int, scheme: LinearSche
         else:
             z = np.full(s.shape, 1 << (b - 1), np.float32)
         if scheme.g_idx:
-            g_idx = np.asarray(raw(f"{part}.weight_g_idx"), np.int32)
+            g_idx = np.asarray(raw(g_idx_name(layout, part)), np.int32)
     if g_idx is not None and (g_idx.min() < 0 or g_idx.max() >= s.shape[1]):
         raise CheckpointError(f"{reader.location(part + '.x')}: g_idx of {part} names groups "
                               f"outside 0..{s.shape[1] - 1}")

@@ -81,3 +81,33 @@ def test_flag_naming_the_checkpoint_method(tmp_path):
                                               "checkpoint's quantization_config.quant_method="
                                               "'awq'"):
         load_model(folder, "float32", quantization="gptq")
+
+
+def test_act_order_differing_across_q_k_v_is_refused(tmp_path, monkeypatch):
+    """q, k and v are one matmul (qkv_proj), so they must share an act order: a GPTQ
+    checkpoint whose k_proj has its own g_idx is refused in one line naming both,
+    before any weight reaches the device."""
+    import os
+
+    import jax
+    import numpy as np
+    from safetensors.torch import load_file, save_file
+
+    from jaxllm.models.errors import CheckpointError
+    from jaxllm.models.loader import load_model
+    folder = str(tmp_path / "gptq")
+    qu.write_gptq_or_awq(folder, qu.make_model(folder, "llama", **qu.BLOCK_SHAPES), "gptq",
+                         bits=4, group=32, desc_act=True)
+    path = os.path.join(folder, "model.safetensors")
+    tensors = load_file(path)
+    name = "model.layers.1.self_attn.k_proj.g_idx"
+    tensors[name] = torch.from_numpy(np.roll(tensors[name].numpy(), 1))
+    save_file(tensors, path)
+    puts = []
+    real = jax.device_put
+    monkeypatch.setattr(jax, "device_put", lambda *a, **k: puts.append(1) or real(*a, **k))
+    with pytest.raises(CheckpointError, match="model.layers.1.self_attn.q_proj and "
+                                              "model.layers.1.self_attn.k_proj have "
+                                              "different g_idx"):
+        load_model(folder, "float32")
+    assert not puts
