@@ -29,20 +29,22 @@ def read_model_arch(model: str | None, load_format: str = "auto") -> tuple[ArchC
                           "*.safetensors) or a .gguf file") from None
 
 
-def check_checkpoint(model, load_format: str, quantization: str | None, arch) -> None:
+def check_checkpoint(model, load_format: str, quantization: str | None, arch,
+                     tp: int = 1) -> None:
     """The launcher's check, before any backend starts: the quantization settings
     resolve and (for an HF folder's real weights) every quantized tensor and scale
-    fits. Raises CheckpointError naming the problem."""
+    fits the layers the engine builds at tensor-parallel size `tp`. Raises
+    CheckpointError naming the problem."""
     from jaxllm.models.loader import SafetensorsReader
-    from jaxllm.models.quant_config import resolve_quantization
+    from jaxllm.models.quant_config import resolve_for_tp
     from jaxllm.models.quant_loader import QuantWeights, check_float_tensors
     if model is None or model.endswith(".gguf") or load_format == "gguf":
-        resolve_quantization(None, quantization, arch.num_layers, model or "the default model",
-                             dummy=load_format == "dummy")
+        resolve_for_tp(None, quantization, arch, model or "the default model", tp,
+                       dummy=load_format == "dummy")
         return
     source = os.path.join(model, "config.json")
-    quant = resolve_quantization(read_hf_config(model), quantization, arch.num_layers, source,
-                                 dummy=load_format == "dummy")
+    quant = resolve_for_tp(read_hf_config(model), quantization, arch, source, tp,
+                           dummy=load_format == "dummy")
     if load_format == "dummy":
         return
     reader = SafetensorsReader(model)

@@ -6,7 +6,8 @@ F MLP width, V vocab, S sampled rows.
 Parameters carry logical axis names (``out_sharding`` metadata); parallel/mesh.py maps
 them to mesh axes. K and V projections are one [E, 2, K, D] weight and gate/up one
 [E, 2, F] weight: one matmul each, and still shardable by head / by MLP column. A
-quantized layer's q and k/v are one qkv_proj ([K, G + 2, D] output rows, G = Q / K).
+quantized layer's q and k/v of one scheme are one qkv_proj ([K, G + 2, D] output rows,
+G = Q / K) where tensor parallelism divides the KV heads (quant_config.resolve_for_tp).
 """
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """Quantized q and k/v projections become one qkv_proj when they share a scheme, and stay
 apart when they do not or when tensor parallelism cannot split the KV heads. The fused
 layer's numerics are covered by every format's greedy-parity test (their checkpoints
-all quantize q, k and v alike), its row order by test_native_fp8's dequantized weights,
+all quantize q, k and v alike; the compressed-tensors ones have 2 query heads a KV
+head), its row order here (4 a KV head) and by test_native_fp8's dequantized weights,
 and the unfused layer under TP by tp8_quant_cases (TP = 4 and 8 with 2 KV heads against
 TP = 1 fused)."""
 from __future__ import annotations

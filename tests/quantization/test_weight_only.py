@@ -85,8 +85,9 @@ def test_flag_naming_the_checkpoint_method(tmp_path):
 
 def test_act_order_differing_across_q_k_v_is_refused(tmp_path, monkeypatch):
     """q, k and v are one matmul (qkv_proj), so they must share an act order: a GPTQ
-    checkpoint whose k_proj has its own g_idx is refused in one line naming both,
-    before any weight reaches the device."""
+    checkpoint whose q_proj has its own g_idx is refused in one line naming both,
+    before any weight reaches the device; at a TP size that keeps q apart (more
+    devices than KV heads) the launcher's check takes it."""
     import os
 
     import jax
@@ -100,7 +101,7 @@ def test_act_order_differing_across_q_k_v_is_refused(tmp_path, monkeypatch):
                          bits=4, group=32, desc_act=True)
     path = os.path.join(folder, "model.safetensors")
     tensors = load_file(path)
-    name = "model.layers.1.self_attn.k_proj.g_idx"
+    name = "model.layers.1.self_attn.q_proj.g_idx"
     tensors[name] = torch.from_numpy(np.roll(tensors[name].numpy(), 1))
     save_file(tensors, path)
     puts = []
@@ -111,3 +112,9 @@ def test_act_order_differing_across_q_k_v_is_refused(tmp_path, monkeypatch):
                                               "different g_idx"):
         load_model(folder, "float32")
     assert not puts
+    from jaxllm.models.info import check_checkpoint, read_model_arch
+    arch, _ = read_model_arch(folder)
+    with pytest.raises(CheckpointError, match="different g_idx"):
+        check_checkpoint(folder, "auto", None, arch)
+    assert arch.num_kv_heads % 4
+    check_checkpoint(folder, "auto", None, arch, tp=4)
