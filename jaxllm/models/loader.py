@@ -48,11 +48,11 @@ def _kv(a, k, v):
 
 
 def _qkv(a, q, k, v):
-    """[E, Hkv, G + 2, D]: each KV head's query heads, then its k and v head (the
-    quantized qkv_proj's rows, quant_loader.join_parts), for online quantization."""
-    h = a.num_kv_heads
-    rows = [x.reshape(h, -1, a.head_dim, a.hidden_size) for x in (q, k, v)]
-    return np.concatenate(rows, axis=1).transpose(3, 0, 1, 2)
+    """[E, Hkv, G + 2, D]: the quantized qkv_proj's rows (quant_loader.join_parts) as a
+    float [K, N...] array, for online quantization."""
+    from jaxllm.models.quant_loader import QKV, join_parts
+    rows = join_parts(a, QKV, [q, k, v])
+    return rows.reshape(a.num_kv_heads, -1, a.head_dim, a.hidden_size).transpose(3, 0, 1, 2)
 
 
 WEIGHT_MAP: dict[str, tuple[tuple[str, ...], Callable]] = {

@@ -101,9 +101,9 @@ class QuantWeights:
             for part, (n, k) in zip(parts, hf_shapes):
                 check_part(r, self.quant.layout, part, n, k, scheme)
             if scheme.g_idx:     # one matmul: one act order for all its parts
-                name = [g_idx_name(self.quant.layout, p) for p in parts]
-                odd = [p for p, g in zip(parts, name)
-                       if not np.array_equal(r.raw(g), r.raw(name[0]))]
+                first = r.raw(g_idx_name(self.quant.layout, parts[0]))
+                odd = [p for p in parts[1:]
+                       if not np.array_equal(r.raw(g_idx_name(self.quant.layout, p)), first)]
                 if odd:
                     raise CheckpointError(f"{self.source}: {parts[0]} and {odd[0]} have "
                                           "different g_idx; jaxllm fuses them into one matmul")
