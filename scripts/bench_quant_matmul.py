@@ -25,6 +25,10 @@ GPU check their numbers too. --pallas-settings '{"block_n":
 
     python3 scripts/bench_quant_matmul.py --pallas [--pallas-settings JSON]
 
+Kinds w8a16_fp8 / w8a16_int8: the fp8 / int8 weight widened to bf16 inside the dot
+against the bf16 input (weight_only_matmul, what decode-sized steps run on a GPU;
+under the `default` variant XLA's Triton GEMM reads the narrow weight in place).
+
 --copies C runs C matmuls of a row's kind in one program, each on its own input and
 weight, and reports the time per matmul: the device's time, where one call per matmul
 (the default, C = 1) times the host's dispatch (~45-60 us) at small M.
@@ -47,7 +51,8 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from jaxllm.layers.quantization.linear import (  # noqa: E402
-    grouped_dequant_matmul, native_dot, quantize_per_token, quantized_matmul)
+    grouped_dequant_matmul, native_dot, quantize_per_token, quantized_matmul,
+    weight_only_matmul)
 from jaxllm.layers.quantization.schemes import ActScheme, LinearScheme  # noqa: E402
 from pallas_kernels import quant_matmul as qmm  # noqa: E402
 
@@ -79,6 +84,10 @@ def w8a8(dtype: str):
         xq, xs = quantize_per_token(x, 1, act)
         return quantized_matmul(xq, xs, wq, ws, 1, native_dot()).astype(x.dtype)
     return f
+
+
+def w8a16(x, wq, ws):
+    return weight_only_matmul(x, wq, ws, 1).astype(x.dtype)
 
 
 def pallas_w8a8(dtype: str, settings: dict):
@@ -162,11 +171,12 @@ def case_args(kind, m, n, k, key, settings=None):
         return w4(kind == "pallas_w4", settings or {}), w4_args(x, n, k, kw)
     if kind == "xla_u4":
         return xla_u4, u4_args(x, n, k, kw)
-    dtype = kind.removeprefix("pallas_")
+    dtype = kind.removeprefix("pallas_").removeprefix("w8a16_")
     scale = jnp.max(jnp.abs(w), axis=1) / (448.0 if dtype == "fp8" else 127.0)
     wq = w / scale[:, None]
     wq = jnp.round(wq) if dtype == "int8" else wq
-    fn = pallas_w8a8(dtype, settings or {}) if kind.startswith("pallas") else w8a8(dtype)
+    fn = (pallas_w8a8(dtype, settings or {}) if kind.startswith("pallas") else
+          w8a16 if kind.startswith("w8a16") else w8a8(dtype))
     return fn, (x, wq.astype(STORE[dtype]), scale)
 
 

@@ -31,7 +31,7 @@ from jaxllm.runner import executable_store, input_batch, kv_cache, sampling_rows
 from jaxllm.runner.buckets import BucketPlan
 from jaxllm.runner.compilation import (CompilationManager, Program, ProgramReplaced,
                                        first_requests_only)
-from jaxllm.runner.step_fn import LogitsBuffers, dummy_arrays, step_compiler_options
+from jaxllm.runner.step_fn import LogitsBuffers, StepJits, dummy_arrays
 # Module names of their own: tests spy on them (one call is one trace).
 from jaxllm.runner.step_fn import forward as _forward, sample_into as _sample_into
 from jaxllm.runner.step_inputs import InputStager, StepInputs, put_replicated
@@ -75,14 +75,11 @@ class ModelRunner:
         self._prev_rows: dict[str, int] = {}   # request id -> its row in _token_buf
         self._row_entries: dict[str, sampling_rows.RowEntry] = {}   # by request id
         self._leaves, treedef = jax.tree.flatten(self.state)
-        forward = functools.partial(_forward, self.graphdef, treedef, self.spec, hidden_layers)
-        options = step_compiler_options(self._leaves)
-        self._step = jax.jit(forward, donate_argnums=(1, 4),   # the pool, LogitsBuffers
-                             out_shardings=self._out_shardings(), compiler_options=options)
-        # Compiled on first use, for the rare steps that carry prompt_logprobs requests.
-        self._step_prompt = jax.jit(forward, donate_argnums=(1,), compiler_options=options)
+        self._step_jit = StepJits(functools.partial(
+            _forward, self.graphdef, treedef, self.spec, hidden_layers), self._leaves,
+            self._out_shardings())
         self._sample = jax.jit(_sample_into, static_argnums=(2,), donate_argnums=(3,))
-        self.store = self._open_store(treedef, options)
+        self.store = self._open_store(treedef)
         # The warm-up's compiled programs, called directly (others: the jits above).
         # Loading holds the GIL on a CPU, mostly not on a GPU (executable_store).
         cpu = mesh.local_devices[0].platform == "cpu"
@@ -90,7 +87,7 @@ class ModelRunner:
                                               1 if cpu else 8, self._rebuild_program,
                                               jax.process_count() == 1)
 
-    def _open_store(self, treedef, options) -> executable_store.ExecutableStore | None:
+    def _open_store(self, treedef) -> executable_store.ExecutableStore | None:
         """The executable store, when a compilation cache folder is configured and jax's
         cache is not capped at 0; not with several processes (unverified there)."""
         if (self.config.compilation_cache_dir is None or jax.process_count() > 1
@@ -102,7 +99,7 @@ class ModelRunner:
                   f"block_size={self.block_size} kv_dtype={kv_dtype} max_model_len="
                   f"{self.max_model_len} step donates (1, 4), sampler (3,), out_shardings="
                   f"{self._out_shardings()}"]
-        static += [f"step compiler options {options}"] * (options is not None)  # (if any)
+        static += [self._step_jit.describe(self.plan.token_buckets)]
         static += [f"returns hidden_layers={self.hidden_layers}"] * (
             self.hidden_layers is not None)
         return executable_store.ExecutableStore(self.config.compilation_cache_dir, self.mesh,
@@ -199,7 +196,8 @@ class ModelRunner:
         head's states, when the runner returns them, are left in `last_hidden`."""
         if prompt_targets is not None:
             args = self._step_args(dict(arrays, prompt_targets=prompt_targets), decode_only)
-            logits, self.kv_caches, prompt, *hidden = self._step_prompt(*args)
+            step = self._step_jit(len(arrays["input_ids"]), prompt=True)
+            logits, self.kv_caches, prompt, *hidden = step(*args)
             self.last_hidden = hidden[0] if hidden else None
             return logits, prompt
         return self.launch_packed(self.pack_inputs(arrays, decode_only))
@@ -212,14 +210,16 @@ class ModelRunner:
         key = ("step", inputs.num_tokens, inputs.num_seqs, inputs.decode_only)
         args = (self._leaves, self.kv_caches, self._token_buf, inputs,
                 self.logits_bufs.take(inputs.num_seqs))
-        logits, self.kv_caches, *hidden = self._call(key, args, self._step, args)
+        logits, self.kv_caches, *hidden = self._call(
+            key, args, self._step_jit(inputs.num_tokens), args)
         self.logits_bufs.put(inputs.num_seqs, logits)
         self.last_hidden = hidden[0] if hidden else None
         return logits
 
     def lower_step(self, arrays: dict, decode_only: bool):
         """The jitted step lowered for host `arrays` (what a call with them runs)."""
-        return self._step.lower(*self._step_args(arrays, decode_only))
+        return self._step_jit(len(arrays["input_ids"])).lower(
+            *self._step_args(arrays, decode_only))
 
     def sample_step(self, logits, md, flags, bitmask=None) -> SamplerOutput:
         extra = () if bitmask is None else (bitmask,)
@@ -319,7 +319,7 @@ class ModelRunner:
         arrays = dummy_arrays(t, s, self.max_blocks_per_seq)
         args = self._step_args(arrays, decode_only, kv_caches)
         self._stager.warm_up(args[3])
-        return Program(("step", t, s, decode_only), args[1:], self._step, args)
+        return Program(("step", t, s, decode_only), args[1:], self._step_jit(t), args)
 
     def _dummy_logits(self, s: int):
         """What the sampler sees from the step: float32 logits [S, V], replicated."""

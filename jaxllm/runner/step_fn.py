@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxllm.layers.quantization.linear import WEIGHT_ONLY_ROWS
 from jaxllm.runner.sampler import compute_logprobs, sample
 from jaxllm.runner.step_inputs import StepInputs
 from jaxllm.sampling_params import MAX_LOGPROBS
@@ -107,17 +108,51 @@ def dummy_arrays(t: int, s: int, max_blocks_per_seq: int) -> dict:
         logits_indices=np.zeros(s, np.int32))
 
 
-def step_compiler_options(leaves) -> dict | None:
-    """XLA options for the model step. With fp8 / int8 weights on a GPU, XLA's Triton
-    GEMM autotuning took 2-21 s per quantized dot on the H200, minutes per engine
-    start, while cuBLASLt alone compiles each in ~0.2 s and runs them at 1,000-1,120
-    TFLOP/s at 4,096 tokens: such a step leaves Triton GEMMs out. It also leaves XLA's
-    dot merger out: merging the q and k/v projections (they share their input)
-    concatenates their quantized weights on every step, which cuBLASLt cannot read
-    in place; on the H200 that copy was a 21 us kernel per layer of the fp8 decode
-    step (0.68 of its 4.2 ms)."""
+def step_compiler_options(leaves, tokens: int) -> dict | None:
+    """XLA options for the model step of `tokens` padded tokens. With fp8 / int8
+    weights on a GPU, XLA's dot merger is left out: merging the q and k/v projections
+    (they share their input) concatenates their quantized weights on every step,
+    which cuBLASLt cannot read in place (on the H200 a 21 us copy per layer of the fp8
+    decode step, 0.68 of its 4.2 ms). Steps larger than WEIGHT_ONLY_ROWS (for the
+    weights' dtype) also leave out XLA's Triton GEMMs: their autotuning took 2-21 s
+    per fp8 / int8 dot on the H200, minutes per engine start, while cuBLASLt alone
+    compiles each in ~0.2 s and runs them at 1,000-1,120 TFLOP/s at 4,096 tokens.
+    Smaller steps run the layers weight-only (linear.use_weight_only): bf16 dots whose
+    Triton GEMMs widen the narrow weight in registers."""
     if jax.default_backend() != "gpu":
         return None
-    if any(str(x.dtype) in ("float8_e4m3fn", "int8") for x in leaves):
-        return {"xla_gpu_enable_triton_gemm": False, "xla_gpu_dot_merger_threshold_mb": 0}
-    return None
+    kinds = {_QUANTIZED.get(str(x.dtype)) for x in leaves} - {None}
+    if not kinds:
+        return None
+    if tokens <= max(WEIGHT_ONLY_ROWS[k] for k in kinds):
+        return {"xla_gpu_dot_merger_threshold_mb": 0}
+    return {"xla_gpu_enable_triton_gemm": False, "xla_gpu_dot_merger_threshold_mb": 0}
+
+
+_QUANTIZED = {"float8_e4m3fn": "fp8", "int8": "int8"}
+
+
+class StepJits:
+    """The jitted model step, one jit per set of XLA options (step_compiler_options
+    picks them by the step's padded token count)."""
+
+    def __init__(self, forward, leaves, out_shardings):
+        self.forward, self.leaves, self.out_shardings = forward, leaves, out_shardings
+        self.jits: dict = {}
+
+    def __call__(self, tokens: int, prompt: bool = False):
+        """The jit for a step of `tokens`. `prompt`: for the rare steps with
+        prompt_logprobs requests, which return a new logits array instead of writing
+        the donated LogitsBuffers one."""
+        options = step_compiler_options(self.leaves, tokens)
+        key = (prompt, tuple(sorted(options.items())) if options else None)
+        if key not in self.jits:
+            kw = (dict(donate_argnums=(1,)) if prompt else    # the pool (, LogitsBuffers)
+                  dict(donate_argnums=(1, 4), out_shardings=self.out_shardings))
+            self.jits[key] = jax.jit(self.forward, compiler_options=options, **kw)
+        return self.jits[key]
+
+    def describe(self, token_buckets) -> str:
+        """The options of each bucket's step (part of the executable store's key)."""
+        options = [step_compiler_options(self.leaves, t) for t in token_buckets]
+        return f"step compiler options {options}"

@@ -232,3 +232,59 @@ def test_int4_layer_lowers_to_the_kernel_at_decode_sizes(monkeypatch, out_shape,
         text = lower_for_cuda(call, state, jax.ShapeDtypeStruct((tokens,) + in_shape,
                                                                 jnp.bfloat16))
         assert ("quant_matmul_int4" in text) == (tokens <= linear.INT4_KERNEL_ROWS)
+
+
+@pytest.mark.parametrize("act", [ActScheme("fp8"), ActScheme("fp8", dynamic=False),
+                                 ActScheme("int8", symmetric=False)],
+                         ids=["fp8", "fp8_static", "int8_asym"])
+def test_weight_only_at_decode_sizes(monkeypatch, act):
+    """On a GPU, up to WEIGHT_ONLY_ROWS tokens a W8A8 layer with per-channel scales
+    runs weight-only: lowered for CUDA, one dot of x's dtype on the widened weight
+    (no quantized operand) up to the bound, the quantized dot above it; its numbers
+    are x times the dequantized weight (here forced on the CPU)."""
+    from flax import nnx
+    nnx.use_eager_sharding(False)
+    monkeypatch.setattr(linear, "on_gpu", lambda: True)
+    monkeypatch.setattr(linear, "native_dot", lambda: True)
+    kind = act.dtype
+    storage, operand = ((jnp.float8_e4m3fn, "f8E4M3FN") if kind == "fp8" else
+                        (jnp.int8, "i8"))
+    layer = linear.QuantLinear(LinearScheme(kind, None, act), (2, 96), (128,),
+                               (None, None), (None,))
+    rng = np.random.default_rng(5)
+    wq = jnp.asarray(np.clip(np.round(rng.normal(size=(2, 96, 128)) * 40), -127, 127), storage)
+    ws = rng.uniform(0.001, 0.01, (2, 96)).astype(np.float32)
+    layer.weight[...], layer.weight_scale[...] = wq, jnp.asarray(ws)
+    graph, state = nnx.split(layer)
+
+    def call(state, x):
+        return nnx.merge(graph, state)(x, tp=1)
+    rows = linear.WEIGHT_ONLY_ROWS[kind]
+    for tokens in (16, rows, rows + 1):
+        text = lower_for_cuda(call, state, jax.ShapeDtypeStruct((tokens, 128), jnp.bfloat16))
+        dots = [line for line in text.splitlines() if "dot_general" in line]
+        assert len(dots) == 1, dots
+        quantized = f"tensor<{tokens}x128x{operand}>" in dots[0]
+        assert quantized == (tokens > rows), dots[0]
+        assert (f"tensor<{tokens}x128xbf16>, tensor<2x96x128xbf16>" in dots[0]) != quantized
+    x = rng.standard_normal((16, 128)).astype(np.float32)
+    w = np.asarray(wq.astype(jnp.float32)) * ws[..., None]
+    got = np.asarray(layer(jnp.asarray(x), tp=1))
+    np.testing.assert_allclose(got, np.einsum("tk,abk->tab", x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_weight_only_only_where_it_applies(monkeypatch):
+    """Per-channel / per-tensor fp8 and int8 on a GPU at decode sizes; never block-
+    scaled or grouped weights (their own paths), never on the CPU."""
+    monkeypatch.setattr(linear, "on_gpu", lambda: True)
+    rows = linear.WEIGHT_ONLY_ROWS
+    fp8, int8 = LinearScheme("fp8", None, ActScheme("fp8")), LinearScheme("int8", None,
+                                                                         ActScheme("int8"))
+    assert linear.use_weight_only(fp8, rows["fp8"]) and linear.use_weight_only(int8, 1)
+    assert linear.use_weight_only(int8, rows["int8"])
+    assert not linear.use_weight_only(fp8, rows["fp8"] + 1)
+    assert not linear.use_weight_only(int8, rows["int8"] + 1)
+    assert not linear.use_weight_only(LinearScheme("fp8", (128, 128), ActScheme("fp8")), 1)
+    assert not linear.use_weight_only(LinearScheme("uint4", group=128), 1)
+    monkeypatch.setattr(linear, "on_gpu", lambda: False)
+    assert not linear.use_weight_only(fp8, 1)
