@@ -15,7 +15,7 @@ their time, the graph launch's time, and the host time of the whole call:
   engine_same   as `engine` but the same packed inputs every launch
 
     python3 scripts/cmdbuf_updates.py [--model configs/models/llama-3.1-8b] [--rows 1,256]
-        [--vlog]
+        [--vlog] [--quantization fp8]
 
 --vlog turns on XLA's command-buffer logging and reads, per pattern, how many of a
 graph's commands each update recorded again and how many it skipped (their buffers
@@ -167,11 +167,14 @@ def main():
     ap.add_argument("--launches", type=int, default=30)
     ap.add_argument("--compile-cache", metavar="DIR")
     ap.add_argument("--vlog", action="store_true")
+    ap.add_argument("--quantization", default=None, help="fp8 | int8 | awq | gptq (random "
+                    "quantized weights of the model's shape)")
     args = ap.parse_args()
     vlog = VLog() if args.vlog else None
     from jaxllm import LLM
     llm = LLM(args.model, load_format="dummy", dtype="bfloat16", max_model_len=2048,
-              enforce_eager=True, compilation_cache_dir=args.compile_cache)
+              enforce_eager=True, compilation_cache_dir=args.compile_cache,
+              quantization=args.quantization)
     runner = llm.llm_engine.runner
     res = {r: regimes(runner, int(r), args.ctx, args.launches, vlog)
            for r in args.rows.split(",")}

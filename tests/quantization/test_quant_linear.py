@@ -238,6 +238,8 @@ def test_int4_layer_lowers_to_the_kernel_at_decode_sizes(monkeypatch, out_shape,
                                  ActScheme("int8", symmetric=False)],
                          ids=["fp8", "fp8_static", "int8_asym"])
 def test_weight_only_at_decode_sizes(monkeypatch, act):
+    if act.dtype == "int8":     # the path as it stands, were int8 given rows
+        monkeypatch.setitem(linear.WEIGHT_ONLY_ROWS, "int8", 16)
     """On a GPU, up to WEIGHT_ONLY_ROWS tokens a W8A8 layer with per-channel scales
     runs weight-only: lowered for CUDA, one dot of x's dtype on the widened weight
     (no quantized operand) up to the bound, the quantized dot above it; its numbers
@@ -280,10 +282,10 @@ def test_weight_only_only_where_it_applies(monkeypatch):
     rows = linear.WEIGHT_ONLY_ROWS
     fp8, int8 = LinearScheme("fp8", None, ActScheme("fp8")), LinearScheme("int8", None,
                                                                          ActScheme("int8"))
-    assert linear.use_weight_only(fp8, rows["fp8"]) and linear.use_weight_only(int8, 1)
-    assert linear.use_weight_only(int8, rows["int8"])
+    assert linear.use_weight_only(fp8, rows["fp8"]) and linear.use_weight_only(fp8, 1)
     assert not linear.use_weight_only(fp8, rows["fp8"] + 1)
     assert not linear.use_weight_only(int8, rows["int8"] + 1)
+    assert rows["int8"] == 0       # int8 keeps W8A8 (its engine measured slower)
     assert not linear.use_weight_only(LinearScheme("fp8", (128, 128), ActScheme("fp8")), 1)
     assert not linear.use_weight_only(LinearScheme("uint4", group=128), 1)
     monkeypatch.setattr(linear, "on_gpu", lambda: False)
