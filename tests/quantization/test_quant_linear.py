@@ -276,8 +276,8 @@ def test_weight_only_at_decode_sizes(monkeypatch, act):
 
 
 def test_weight_only_only_where_it_applies(monkeypatch):
-    """Per-channel / per-tensor fp8 and int8 on a GPU at decode sizes; never block-
-    scaled or grouped weights (their own paths), never on the CPU."""
+    """fp8 (per channel, per tensor or block-scaled) on a GPU at decode sizes; never
+    grouped weights (their own kernels), never on the CPU."""
     monkeypatch.setattr(linear, "on_gpu", lambda: True)
     rows = linear.WEIGHT_ONLY_ROWS
     fp8, int8 = LinearScheme("fp8", None, ActScheme("fp8")), LinearScheme("int8", None,
@@ -286,7 +286,30 @@ def test_weight_only_only_where_it_applies(monkeypatch):
     assert not linear.use_weight_only(fp8, rows["fp8"] + 1)
     assert not linear.use_weight_only(int8, rows["int8"] + 1)
     assert rows["int8"] == 0       # int8 keeps W8A8 (its engine measured slower)
-    assert not linear.use_weight_only(LinearScheme("fp8", (128, 128), ActScheme("fp8")), 1)
+    assert linear.use_weight_only(LinearScheme("fp8", (128, 128), ActScheme("fp8")), 1)
     assert not linear.use_weight_only(LinearScheme("uint4", group=128), 1)
     monkeypatch.setattr(linear, "on_gpu", lambda: False)
     assert not linear.use_weight_only(fp8, 1)
+
+
+def test_block_fp8_leaves_its_input_unquantized_at_decode_sizes(monkeypatch):
+    """A block-scaled fp8 layer (native FP8 checkpoints) quantizes its input per
+    token and 128-group above WEIGHT_ONLY_ROWS tokens, and not up to it on a GPU:
+    then its output is x times the dequantized weight."""
+    from flax import nnx
+    nnx.use_eager_sharding(False)
+    rng = np.random.default_rng(8)
+    n, k = 256, 256
+    layer = linear.QuantLinear(LinearScheme("fp8", (128, 128), ActScheme("fp8")), (n,), (k,),
+                               (None,), (None,))
+    wq = jnp.asarray(rng.normal(size=(n, k)) * 100, jnp.float8_e4m3fn)
+    ws = rng.uniform(0.001, 0.01, (n, k // 128)).astype(np.float32)
+    layer.weight[...], layer.weight_scale[...] = wq, jnp.asarray(ws)
+    x = rng.standard_normal((16, k)).astype(np.float32)
+    w = np.asarray(wq.astype(jnp.float32)) * np.repeat(ws, 128, axis=1)
+    exact = x @ w.T
+    quantized = np.asarray(layer(jnp.asarray(x), tp=1))        # CPU: W8A8's numbers
+    monkeypatch.setattr(linear, "on_gpu", lambda: True)
+    np.testing.assert_allclose(np.asarray(layer(jnp.asarray(x), tp=1)), exact, rtol=1e-5,
+                               atol=1e-4)
+    assert np.abs(quantized - exact).max() > 100 * 1e-4      # (the input's fp8 rounding)

@@ -13,6 +13,7 @@ Letter legend: T tokens, N... output dims, K... contracted dims, G K-groups.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -219,8 +220,10 @@ WEIGHT_ONLY_ROWS = {"fp8": 64, "int8": 0}
 
 
 def use_weight_only(scheme: LinearScheme, tokens: int) -> bool:
+    """Whether the layer leaves its input unquantized in a step of `tokens` (block-
+    scaled weights: block_matmul without the input's per-group quantization)."""
     return (on_gpu() and tokens <= WEIGHT_ONLY_ROWS.get(scheme.weight, 0)
-            and scheme.group is None and scheme.block is None)
+            and scheme.group is None)
 
 
 def weight_only_matmul(x, wq, w_scale, nk: int):
@@ -280,7 +283,9 @@ class QuantLinear(nnx.Module):
             y = grouped_dequant_matmul(x, w, ws, self.weight_zero_point[...],
                                        self.g_idx[...] if s.g_idx else None, s, self.nk)
         elif s.block is not None:
-            y = block_matmul(x, w, ws, s, self.nk)
+            weight_only = use_weight_only(s, x.shape[0])
+            y = block_matmul(x, w, ws, dataclasses.replace(s, act=None) if weight_only else s,
+                             self.nk)
         elif s.act is None or use_weight_only(s, x.shape[0]):
             y = weight_only_matmul(x, w, ws, self.nk)
         elif not s.act.symmetric:
