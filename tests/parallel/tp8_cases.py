@@ -131,7 +131,7 @@ def test_step_outputs_and_collectives(run, arch, tp):
                   block_tables=np.zeros((s, runner.max_blocks_per_seq), np.int32),
                   seq_lens=np.zeros(s, np.int32), query_start_loc=np.zeros(s + 1, np.int32),
                   logits_indices=np.zeros(s, np.int32))
-    compiled = runner._step.lower(*runner._step_args(arrays, True)).compile()
+    compiled = runner.lower_step(arrays, True).compile()
     logits_sharding, kv_shardings = compiled.output_shardings
     assert logits_sharding.is_fully_replicated
     for sh in jax.tree.leaves(kv_shardings):
