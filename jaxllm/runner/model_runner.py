@@ -187,7 +187,7 @@ class ModelRunner:
         inputs = StepInputs.pack(arrays, decode_only, self._replicated)   # (not staged)
         kv_caches = self.kv_caches if kv_caches is None else kv_caches
         args = (self._leaves, kv_caches, self._token_buf, inputs)
-        if "prompt_targets" in arrays:      # (_step_prompt: a new logits array)
+        if "prompt_targets" in arrays:      # (the prompt step's jit: a new logits array)
             return args + (None, jax.device_put(arrays["prompt_targets"], self._replicated))
         return args + (self.logits_bufs.spec(inputs.num_seqs),)
 

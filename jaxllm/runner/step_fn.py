@@ -138,19 +138,23 @@ class StepJits:
 
     def __init__(self, forward, leaves, out_shardings):
         self.forward, self.leaves, self.out_shardings = forward, leaves, out_shardings
-        self.jits: dict = {}
+        self.jits: dict = {}          # (prompt, options) -> jit
+        self.by_size: dict = {}       # (tokens, prompt) -> jit: a step's lookup, no scan
 
     def __call__(self, tokens: int, prompt: bool = False):
         """The jit for a step of `tokens`. `prompt`: for the rare steps with
         prompt_logprobs requests, which return a new logits array instead of writing
         the donated LogitsBuffers one."""
-        options = step_compiler_options(self.leaves, tokens)
-        key = (prompt, tuple(sorted(options.items())) if options else None)
-        if key not in self.jits:
-            kw = (dict(donate_argnums=(1,)) if prompt else    # the pool (, LogitsBuffers)
-                  dict(donate_argnums=(1, 4), out_shardings=self.out_shardings))
-            self.jits[key] = jax.jit(self.forward, compiler_options=options, **kw)
-        return self.jits[key]
+        jitted = self.by_size.get((tokens, prompt))
+        if jitted is None:
+            options = step_compiler_options(self.leaves, tokens)
+            key = (prompt, tuple(sorted(options.items())) if options else None)
+            if key not in self.jits:
+                kw = (dict(donate_argnums=(1,)) if prompt else  # the pool (, LogitsBuffers)
+                      dict(donate_argnums=(1, 4), out_shardings=self.out_shardings))
+                self.jits[key] = jax.jit(self.forward, compiler_options=options, **kw)
+            jitted = self.by_size[(tokens, prompt)] = self.jits[key]
+        return jitted
 
     def describe(self, token_buckets) -> str:
         """The options of each bucket's step (part of the executable store's key)."""

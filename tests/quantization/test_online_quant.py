@@ -127,3 +127,30 @@ def test_float_model_stays_float(tiny_model):
 def jax_leaves(state):
     import jax
     return jax.tree.leaves(state)
+
+
+def test_each_step_size_takes_its_options_jit(tiny_model, monkeypatch):
+    """The runner picks the step's jit by its padded token count (its XLA options
+    depend on it, step_compiler_options): with options forced to differ between
+    steps of up to 16 tokens and larger ones, launches ask by padded tokens (a
+    decode-only step's are its sequence bucket), the two sides get two jits, and
+    every warm-up program holds the jit its launches call."""
+    from jaxllm.runner import step_fn
+    monkeypatch.setattr(step_fn, "step_compiler_options", lambda leaves, t: (
+        {"xla_gpu_dot_merger_threshold_mb": 0} if t <= 16 else None))
+    seen, call = [], step_fn.StepJits.__call__
+
+    def spy(self, tokens, prompt=False):
+        seen.append(tokens)
+        return call(self, tokens, prompt)
+    monkeypatch.setattr(step_fn.StepJits, "__call__", spy)
+    folder, _ = tiny_model("llama")
+    _, llm = qu.jaxllm_greedy(folder, qu.prompts(qu.shared().TINY_VOCAB), 4,
+                              quantization="fp8")
+    runner = llm.llm_engine.runner
+    # the 62-token prefill of 3 sequences pads to 64 tokens, their decode steps to 4
+    assert set(seen) == {64, 4} and runner.plan.seq_buckets == (4,)
+    assert runner._step_jit(4) is runner._step_jit(16)
+    assert runner._step_jit(16) is not runner._step_jit(32)
+    for t, s, decode_only in runner.plan.all_shapes():
+        assert runner._step_program(t, s, decode_only).jitted is runner._step_jit(t)

@@ -238,12 +238,12 @@ def test_int4_layer_lowers_to_the_kernel_at_decode_sizes(monkeypatch, out_shape,
                                  ActScheme("int8", symmetric=False)],
                          ids=["fp8", "fp8_static", "int8_asym"])
 def test_weight_only_at_decode_sizes(monkeypatch, act):
-    if act.dtype == "int8":     # the path as it stands, were int8 given rows
-        monkeypatch.setitem(linear.WEIGHT_ONLY_ROWS, "int8", 16)
     """On a GPU, up to WEIGHT_ONLY_ROWS tokens a W8A8 layer with per-channel scales
     runs weight-only: lowered for CUDA, one dot of x's dtype on the widened weight
     (no quantized operand) up to the bound, the quantized dot above it; its numbers
     are x times the dequantized weight (here forced on the CPU)."""
+    if act.dtype == "int8":     # the path as it stands, were int8 given rows
+        monkeypatch.setitem(linear.WEIGHT_ONLY_ROWS, "int8", 16)
     from flax import nnx
     nnx.use_eager_sharding(False)
     monkeypatch.setattr(linear, "on_gpu", lambda: True)

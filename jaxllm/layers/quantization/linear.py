@@ -1,6 +1,7 @@
 """The quantized linear layer: fp8 / int8 weights stored [N..., K...], the input
 quantized in the layer, the matmul in fp8 / int8 with f32 accumulation and the
-scales applied to its output.
+scales applied to its output. On a GPU, fp8 layers in decode-sized steps leave the
+input unquantized instead (WEIGHT_ONLY_ROWS).
 
 On a GPU the matmul is one dot of the quantized operands (XLA hands an fp8 or int8
 dot contracting K on both sides to cuBLASLt). On the CPU backend, which has no fp8
