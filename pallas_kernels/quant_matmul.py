@@ -1,12 +1,7 @@
 """Small-M matmuls of quantized weights (decode): the weight streamed from HBM once,
 converted tile by tile in registers, the products accumulated in f32 (int32 for
-int8 x int8).
-
-Decode is bound by the weight's bytes, and XLA's paths do not gain from quantized
-weights there: on the H200 at M = 8 the 28672x4096 gate/up dot took 63 us in bf16
-and 65 / 62 us through cuBLASLt's fp8 / int8 GEMMs (half the bytes: ~29 us at
-4 TB/s), and a 4-bit weight dequantized by XLA (``w.astype(bf16)`` then the dot) was
-slower than bf16.
+int8 x int8). For weights XLA was not seen to widen inside its GEMMs on the H200:
+4-bit, and fp8 with group scales (both slower than bf16 through XLA).
 
 Letter legend: M tokens (rows of x), Mp = M padded to a power of two >= 16, N output
 channels, K contracted dim, BN output channels per program, BK columns of K per inner
@@ -48,13 +43,20 @@ def ref_quant_matmul(x, w, x_scale, w_scale, *, out_dtype=None):
     """x [M, K]: quantized per token (fp8 / int8, or those values held in f16) with
     x_scale f32[M] or a scalar, or a 16-bit activation with x_scale None (weight-only);
     w [N, K] fp8 e4m3 / int8 with per-channel w_scale f32[N] -> [M, N] ``out_dtype``
-    (default: x's dtype when 16-bit, else bf16).
+    (default: x's dtype when 16-bit, else bf16). Weight-only, w_scale may also be
+    f32 [N, K / G], per row and group of G columns (block FP8 scales, repeated per row).
 
     Quantized x: the dot of the widened values, exact in f32 (jaxllm's
     ``quantized_matmul``); weight-only: w cast to x's dtype, then the dot with f32
-    accumulation (QuantLinear's weight-only path). Scales multiply the f32 result."""
+    accumulation (QuantLinear's weight-only path). Scales multiply the f32 result;
+    group scales the weight, in f32 (block_matmul rounds it to x's dtype)."""
     out_dtype = default_out_dtype(x.dtype, x_scale, out_dtype)
     dims = (((1,), (1,)), ((), ()))
+    if w_scale.ndim == 2:
+        group = _group(x.shape[1], w_scale, x_scale)
+        wd = w.astype(jnp.float32) * jnp.repeat(w_scale.astype(jnp.float32), group, axis=1)
+        return lax.dot_general(x.astype(jnp.float32), wd, dims, lax.Precision.HIGHEST,
+                               preferred_element_type=jnp.float32).astype(out_dtype)
     if x_scale is None:
         y = lax.dot_general(x, w.astype(x.dtype), dims, preferred_element_type=jnp.float32)
     else:
@@ -187,17 +189,26 @@ def quant_matmul(x, w, x_scale, w_scale, *, out_dtype=None, block_n=None, block_
     if x_scale is not None:
         aux.insert(0, jnp.broadcast_to(jnp.asarray(x_scale, jnp.float32), (m,)))
     bk, ragged = st["bk"], k % st["bk"] != 0
+    # Group scales: each chunk of a step (one group's columns) scales its own product.
+    group = _group(k, w_scale, x_scale) if w_scale.ndim == 2 else None
+    chunk = bk if group is None else min(bk, group)
 
     def step(aux_refs, x_ref, w_ref, rows, xrows, i, acc):
-        cols = i * bk + jnp.arange(bk)
-        wt = w_ref[rows[:, None], (jnp.minimum(cols, k - 1) if ragged else cols)[None, :]]
-        xt = _load_x(x_ref, xrows, cols, k, ragged)
-        return acc + plgpu.dot(wt.astype(dot_dtype), xt.astype(dot_dtype), trans_b=True)
+        for c in range(bk // chunk):
+            cols = i * bk + c * chunk + jnp.arange(chunk)
+            wt = w_ref[rows[:, None], (jnp.minimum(cols, k - 1) if ragged else cols)[None, :]]
+            xt = _load_x(x_ref, xrows, cols, k, ragged)
+            d = plgpu.dot(wt.astype(dot_dtype), xt.astype(dot_dtype), trans_b=True)
+            if group is not None:
+                g = jnp.minimum(lax.div(i * bk + c * chunk, group), w_scale.shape[1] - 1)
+                d = aux_refs[-1][rows, g][:, None] * d
+            acc = acc + d
+        return acc
 
     def epilogue(aux_refs, acc, rows, xrows):   # x's scale first, as quantized_matmul
         if x_scale is not None:
             acc = acc * aux_refs[0][xrows][None, :]
-        return acc * aux_refs[-1][rows][:, None]
+        return acc if group is not None else acc * aux_refs[-1][rows][:, None]
 
     return _launch(step, epilogue, x, w, aux, n=n, st=st, out_dtype=out_dtype,
                    dot_dtype=dot_dtype, name="quant_matmul", interpret=interpret)
@@ -320,6 +331,15 @@ def _load_x(x_ref, xrows, cols, k, ragged):
         return x_ref[xrows[:, None], cols[None, :]]
     return plgpu.load(x_ref.at[xrows[:, None], jnp.minimum(cols, k - 1)[None, :]],
                       mask=(cols < k)[None, :], other=0)
+
+
+def _group(k, w_scale, x_scale) -> int:
+    """G of group scales [N, K / G]: weight-only, a power of two >= 32 dividing K."""
+    g = k // w_scale.shape[1]
+    if x_scale is not None or g * w_scale.shape[1] != k or g < 32 or g & (g - 1):
+        raise ValueError(f"group scales {w_scale.shape} for K = {k}: weight-only (no "
+                         "x_scale), K / groups a power of two >= 32")
+    return g
 
 
 def _check(m, k, w_shape, want):

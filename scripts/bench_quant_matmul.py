@@ -25,6 +25,11 @@ GPU check their numbers too. --pallas-settings '{"block_n":
 
     python3 scripts/bench_quant_matmul.py --pallas [--pallas-settings JSON]
 
+Kinds block_fp8, block_fp8_bf16 and pallas_block_fp8: a weight-only fp8 matmul with
+a scale per row and 128-column group (native FP8 checkpoints' 128x128 blocks), as the
+layer computes it at decode sizes (block_matmul), with the scales multiplied in bf16,
+and through the Pallas kernel (its error against its reference printed too).
+
 Kinds w8a16_fp8 / w8a16_int8: the fp8 / int8 weight widened to bf16 inside the dot
 against the bf16 input (weight_only_matmul, what decode-sized steps run on a GPU;
 under the `default` variant XLA's Triton GEMM reads the narrow weight in place).
@@ -51,7 +56,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from jaxllm.layers.quantization.linear import (  # noqa: E402
-    grouped_dequant_matmul, native_dot, quantize_per_token, quantized_matmul,
+    block_matmul, grouped_dequant_matmul, native_dot, quantize_per_token, quantized_matmul,
     weight_only_matmul)
 from jaxllm.layers.quantization.schemes import ActScheme, LinearScheme  # noqa: E402
 from pallas_kernels import quant_matmul as qmm  # noqa: E402
@@ -63,6 +68,9 @@ VARIANTS = {"default": {}, "no_triton": {"xla_gpu_enable_triton_gemm": False},
 STORE = {"fp8": jnp.float8_e4m3fn, "int8": jnp.int8}
 PALLAS_KINDS = ("pallas_fp8", "pallas_int8", "xla_w4", "pallas_w4", "xla_u4")
 W4_GROUP = 128
+# Block-scaled fp8 (native FP8 checkpoints, 128x128 blocks; scales repeated per row).
+BLOCK = 128
+BLOCK_KINDS = ("block_fp8", "block_fp8_bf16", "pallas_block_fp8")
 
 
 def time_us(fn, *args, reps=200) -> float:
@@ -88,6 +96,29 @@ def w8a8(dtype: str):
 
 def w8a16(x, wq, ws):
     return weight_only_matmul(x, wq, ws, 1).astype(x.dtype)
+
+
+def block_fp8(x, wq, ws):
+    """The layer's block-scaled fp8 path at decode sizes (block_matmul, input not
+    quantized): the weight dequantized in f32, rounded to bf16, then the dot."""
+    scheme = LinearScheme("fp8", (BLOCK, BLOCK), None)
+    return block_matmul(x, wq, ws, scheme, 1).astype(x.dtype)
+
+
+def block_fp8_bf16(x, wq, ws):
+    """The same with the scales multiplied in bf16 (a form XLA's Triton GEMM might take
+    into its prologue)."""
+    n, k = wq.shape
+    w = wq.astype(jnp.bfloat16).reshape(n, k // BLOCK, BLOCK) * ws.astype(jnp.bfloat16)[
+        ..., None]
+    return jnp.einsum("tk,nk->tn", x, w.reshape(n, k),
+                      preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def pallas_block_fp8(settings: dict):
+    def f(x, wq, ws):
+        return qmm.quant_matmul(x, wq, None, ws, out_dtype=x.dtype, **settings)
+    return f
 
 
 def pallas_w8a8(dtype: str, settings: dict):
@@ -144,7 +175,10 @@ def group_scales(n, k, key):
 def pallas_error(kind, args, settings) -> float:
     """Largest |kernel - reference| over the largest |reference|, on the same inputs
     (the W8A8 input quantized once, outside both)."""
-    if kind == "pallas_w4":
+    if kind == "pallas_block_fp8":
+        got = qmm.quant_matmul(*args[:2], None, args[2], out_dtype=jnp.float32, **settings)
+        want = qmm.ref_quant_matmul(*args[:2], None, args[2], out_dtype=jnp.float32)
+    elif kind == "pallas_w4":
         got = w4(True, settings)(*args)
         want = qmm.ref_quant_matmul_int4(*args, group=W4_GROUP)
     else:
@@ -171,6 +205,12 @@ def case_args(kind, m, n, k, key, settings=None):
         return w4(kind == "pallas_w4", settings or {}), w4_args(x, n, k, kw)
     if kind == "xla_u4":
         return xla_u4, u4_args(x, n, k, kw)
+    if kind in BLOCK_KINDS:
+        wq = (jax.random.normal(kw, (n, k), jnp.float32) * 100).astype(jnp.float8_e4m3fn)
+        ws = jax.random.uniform(kx, (n, k // BLOCK), jnp.float32, 1e-4, 4e-4)
+        fn = pallas_block_fp8(settings or {}) if kind == "pallas_block_fp8" else (
+            block_fp8 if kind == "block_fp8" else block_fp8_bf16)
+        return fn, (x, wq, ws)
     dtype = kind.removeprefix("pallas_").removeprefix("w8a16_")
     scale = jnp.max(jnp.abs(w), axis=1) / (448.0 if dtype == "fp8" else 127.0)
     wq = w / scale[:, None]

@@ -12,8 +12,9 @@ import pytest
 from cuda_lowering import lower_for_cuda
 from kernel_cases import run
 
-from jaxllm.layers.quantization.linear import (grouped_dequant_matmul, quantize,
-                                               quantize_per_token, quantized_matmul)
+from jaxllm.layers.quantization.linear import (block_matmul, grouped_dequant_matmul,
+                                               quantize, quantize_per_token,
+                                               quantized_matmul)
 from jaxllm.layers.quantization.schemes import ActScheme, LinearScheme
 from pallas_kernels import common
 from pallas_kernels.quant_matmul import (default_settings, quant_matmul, quant_matmul_int4,
@@ -108,6 +109,37 @@ def test_weight_only(kind):
     _close(got, ref_quant_matmul(x, wq, None, ws, out_dtype=F32), 1e-5)
 
 
+# (M, N, K, G, settings): BK above the group (two chunks a step), at it, and below it
+# (a group over two steps); ragged N; a split that is empty.
+GROUP_CASES = [
+    (1, 64, 256, 128, dict(k_splits=2, block_k=256)),
+    (8, 80, 256, 64, dict(k_splits=1)),
+    (16, 48, 384, 128, dict(k_splits=1, block_k=128)),
+    (3, 64, 256, 128, dict(k_splits=3)),
+]
+
+
+@pytest.mark.parametrize("case", GROUP_CASES, ids=lambda c: f"m{c[0]}_n{c[1]}_k{c[2]}_g{c[3]}")
+def test_weight_only_group_scales(case):
+    """Block-scaled fp8 (a scale per row and group of G columns), weight-only: the
+    kernel against its reference (f32 dequantized weight) and against jaxllm's layer
+    math (block_matmul without input quantization, which rounds the dequantized
+    weight to bf16)."""
+    m, n, k, group, st = case
+    rng = np.random.default_rng(9)
+    wq = jnp.asarray(rng.standard_normal((n, k)) * 100, jnp.float8_e4m3fn)
+    ws = jnp.asarray(rng.uniform(0.001, 0.01, (n, k // group)), F32)
+    x = _x(10, m, k, BF16)
+    got = run(functools.partial(quant_matmul, interpret=True, out_dtype=F32,
+                                **{"block_n": 32, "block_k": 64, **st}), x, wq, None, ws)
+    _close(got, ref_quant_matmul(x, wq, None, ws, out_dtype=F32), 1e-5)
+    scheme = LinearScheme("fp8", (group, group), None)
+    _close(got, block_matmul(x, wq, ws, scheme, 1), 8e-3)
+    per_channel = ref_quant_matmul(x, wq, None, ws[:, 0], out_dtype=F32)  # groups matter
+    assert np.abs(np.asarray(got) - np.asarray(per_channel)).max() > 0.1 * np.abs(
+        np.asarray(per_channel)).max()
+
+
 def _w4(seed, n, k, group):
     rng = np.random.default_rng(seed)
     groups = -(-k // group)
@@ -197,6 +229,11 @@ def test_rejects_what_it_does_not_support():
     with pytest.raises(ValueError, match="'output' or 'weight'"):
         quant_matmul_int4(jnp.zeros((4, 128), BF16), packed, scale, zero, group=32,
                           scales="both")
+    groups = jnp.ones((64, 4), F32)        # groups of 32 columns
+    with pytest.raises(ValueError, match="weight-only"):
+        quant_matmul(jnp.zeros((4, 128), BF16), wq, jnp.ones((4,), F32), groups)
+    with pytest.raises(ValueError, match="power of two >= 32"):
+        quant_matmul(jnp.zeros((4, 128), BF16), wq, None, jnp.ones((64, 8), F32))
 
 
 # --- the 8B shapes: settings and CUDA lowering ---------------------------------------
@@ -264,6 +301,22 @@ def test_w4a16_lowers_at_8b_shapes(proj, m, group):
     text = lower_for_cuda(fn, SD((m, k), BF16), SD((n, k // 2), jnp.uint8),
                           SD((n, k // group), F32), SD((n, k // group), F32))
     st = default_settings(m, n, k, 4, 2, group=group)
+    assert "__gpu$xla.gpu.triton" in text
+    assert f"grid_x = {n // st['bn']}" in text and f"grid_y = {st['k_splits']}" in text
+
+
+QWEN3_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096),
+            "down": (4096, 12288)}
+
+
+@pytest.mark.parametrize("m", [8, 64])
+@pytest.mark.parametrize("proj", list(QWEN3_8B))
+def test_block_fp8_lowers_at_qwen3_8b_shapes(proj, m):
+    """Weight-only with 128-column group scales (the Qwen3-*-FP8 releases' blocks)."""
+    n, k = QWEN3_8B[proj]
+    text = lower_for_cuda(lambda x, w, ws: quant_matmul(x, w, None, ws), SD((m, k), BF16),
+                          SD((n, k), STORE["fp8"]), SD((n, k // 128), F32))
+    st = default_settings(m, n, k, 8, 2)
     assert "__gpu$xla.gpu.triton" in text
     assert f"grid_x = {n // st['bn']}" in text and f"grid_y = {st['k_splits']}" in text
 
