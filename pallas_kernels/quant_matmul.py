@@ -1,11 +1,10 @@
 """Small-M matmuls of quantized weights (decode): the weight streamed from HBM once,
 converted tile by tile in registers, the products accumulated in f32 (int32 for
-int8 x int8). For weights XLA was not seen to widen inside its GEMMs on the H200:
-4-bit, and fp8 with group scales (both slower than bf16 through XLA).
-
+int8 x int8). For weights XLA's GEMMs were not seen to widen in place on the H200:
+4-bit, and fp8 with group scales.
 Letter legend: M tokens (rows of x), Mp = M padded to a power of two >= 16, N output
 channels, K contracted dim, BN output channels per program, BK columns of K per inner
-step, S k-splits, G the 4-bit group size.
+step, S k-splits, G the group size (4-bit; fp8 with group scales).
 
 Grid (cdiv(N, BN), S). A program owns BN output channels and 1/S of the K steps and
 computes acc[BN, Mp] = W[BN, BK] @ x[Mp, BK]^T per step: the weight is the MMA's
@@ -337,8 +336,7 @@ def _group(k, w_scale, x_scale) -> int:
     """G of group scales [N, K / G]: weight-only, a power of two >= 32 dividing K."""
     g = k // w_scale.shape[1]
     if x_scale is not None or g * w_scale.shape[1] != k or g < 32 or g & (g - 1):
-        raise ValueError(f"group scales {w_scale.shape} for K = {k}: weight-only (no "
-                         "x_scale), K / groups a power of two >= 32")
+        raise ValueError(f"scales {w_scale.shape} for K {k}: weight-only, G a power of two >= 32")
     return g
 
 

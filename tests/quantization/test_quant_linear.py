@@ -313,3 +313,35 @@ def test_block_fp8_leaves_its_input_unquantized_at_decode_sizes(monkeypatch):
     np.testing.assert_allclose(np.asarray(layer(jnp.asarray(x), tp=1)), exact, rtol=1e-5,
                                atol=1e-4)
     assert np.abs(quantized - exact).max() > 100 * 1e-4      # (the input's fp8 rounding)
+
+
+def test_block_fp8_kernel_where_enabled(monkeypatch):
+    """With BLOCK_FP8_KERNEL_ROWS raised (it is off until measured on a GPU), a block-
+    scaled fp8 layer lowers to the Pallas kernel up to the bound on one GPU, and the
+    kernel's numbers (interpret mode) are block_matmul's weight-only ones."""
+    from flax import nnx
+    nnx.use_eager_sharding(False)
+    monkeypatch.setattr(linear, "BLOCK_FP8_KERNEL_ROWS", 64)
+    monkeypatch.setattr(linear, "on_gpu", lambda: True)
+    monkeypatch.setattr(jax, "device_count", lambda: 1)
+    scheme = LinearScheme("fp8", (128, 128), ActScheme("fp8"))
+    assert linear.use_block_fp8_kernel(scheme, 64, tp=1)
+    assert not linear.use_block_fp8_kernel(scheme, 65, tp=1)
+    assert not linear.use_block_fp8_kernel(scheme, 1, tp=2)
+    layer = linear.QuantLinear(scheme, (256,), (4, 64), (None,), (None, None))
+    graph, state = nnx.split(layer)
+
+    def call(state, x):
+        return nnx.merge(graph, state)(x, tp=1)
+    for tokens in (8, 64, 65):
+        text = lower_for_cuda(call, state, jax.ShapeDtypeStruct((tokens, 4, 64), jnp.bfloat16))
+        assert ("quant_matmul" in text) == (tokens <= 64)
+    rng = np.random.default_rng(12)
+    wq = jnp.asarray(rng.normal(size=(256, 4, 64)) * 100, jnp.float8_e4m3fn)
+    ws = jnp.asarray(rng.uniform(0.001, 0.01, (256, 2)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((8, 4, 64)), jnp.bfloat16)
+    got = linear.block_kernel_matmul(x, wq, ws, 2, interpret=True)
+    want = linear.block_matmul(x, wq, ws, LinearScheme("fp8", (128, 128), None), 2)
+    assert got.shape == (8, 256) and got.dtype == jnp.bfloat16
+    err = np.abs(np.asarray(got, np.float32) - np.asarray(want)).max()
+    assert err <= 8e-3 * np.abs(np.asarray(want)).max()

@@ -185,9 +185,38 @@ def use_int4_kernel(scheme: LinearScheme, tokens: int, tp: int | None = None) ->
     ``tp`` the model's tensor-parallel size (None: unknown, so only when one device
     is visible); under tensor parallelism the weight is sharded and XLA's path runs."""
     g = scheme.group or 0
-    unsharded = tp == 1 if tp is not None else jax.device_count() == 1
     return (scheme.weight == "uint4" and not scheme.g_idx and g >= 32 and g & (g - 1) == 0
-            and tokens <= INT4_KERNEL_ROWS and on_gpu() and unsharded)
+            and tokens <= INT4_KERNEL_ROWS and on_gpu() and _unsharded(tp))
+
+
+def _unsharded(tp: int | None) -> bool:
+    return tp == 1 if tp is not None else jax.device_count() == 1
+
+
+# Tokens up to which a block-scaled fp8 layer runs the Pallas kernel with group scales
+# (quant_matmul) on one GPU. 0 (off) until measured: block_matmul's path writes the
+# dequantized bf16 weight out every step (Qwen3-8B block FP8 decodes at 0.35x bf16's
+# speed on the H200), and the kernel has not yet run on a GPU
+# (scripts/bench_quant_matmul.py --kinds block_fp8,pallas_block_fp8 is the measurement).
+BLOCK_FP8_KERNEL_ROWS = 0
+
+
+def use_block_fp8_kernel(scheme: LinearScheme, tokens: int, tp: int | None = None) -> bool:
+    bk = scheme.block[1] if scheme.block else 0
+    return (scheme.weight == "fp8" and bk >= 32 and bk & (bk - 1) == 0 and on_gpu()
+            and tokens <= BLOCK_FP8_KERNEL_ROWS and _unsharded(tp))
+
+
+def block_kernel_matmul(x, wq, w_scale, nk: int, interpret: bool = False):
+    """block_matmul's weight-only contract through the kernel: [T, K] x [N, K] with
+    scales [N, K/bk], reshaped back to [T, N...] in x's dtype."""
+    from pallas_kernels.quant_matmul import quant_matmul   # Triton lowering, lazily
+    t = x.shape[0]
+    out = wq.shape[:wq.ndim - nk]
+    n = math.prod(out)
+    y = quant_matmul(x.reshape(t, -1), wq.reshape(n, -1), None, w_scale.reshape(n, -1),
+                     out_dtype=x.dtype, interpret=interpret)
+    return y.reshape(t, *out)
 
 
 def int4_kernel_matmul(x, wq, scale, zero, scheme: LinearScheme, nk: int,
@@ -283,6 +312,8 @@ class QuantLinear(nnx.Module):
         elif s.group is not None:
             y = grouped_dequant_matmul(x, w, ws, self.weight_zero_point[...],
                                        self.g_idx[...] if s.g_idx else None, s, self.nk)
+        elif s.block is not None and use_block_fp8_kernel(s, x.shape[0], tp):
+            y = block_kernel_matmul(x, w, ws, self.nk)
         elif s.block is not None:
             weight_only = use_weight_only(s, x.shape[0])
             y = block_matmul(x, w, ws, dataclasses.replace(s, act=None) if weight_only else s,
