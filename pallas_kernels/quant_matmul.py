@@ -1,7 +1,7 @@
-"""Small-M matmuls of quantized weights (decode): the weight streamed from HBM once,
-converted tile by tile in registers, the products accumulated in f32 (int32 for
-int8 x int8). For weights XLA's GEMMs were not seen to widen in place on the H200:
-4-bit, and fp8 with group scales.
+"""Small-M (decode) matmuls of weights XLA's GEMMs were not seen to widen in place on
+the H200 (4-bit; fp8 with group scales): the weight streamed from HBM once, converted
+tile by tile in registers, the products accumulated in f32 (int32 for int8 x int8).
+
 Letter legend: M tokens (rows of x), Mp = M padded to a power of two >= 16, N output
 channels, K contracted dim, BN output channels per program, BK columns of K per inner
 step, S k-splits, G the group size (4-bit; fp8 with group scales).

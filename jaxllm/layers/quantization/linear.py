@@ -244,8 +244,8 @@ def int4_kernel_matmul(x, wq, scale, zero, scheme: LinearScheme, nk: int,
 # the weight in registers. H200, an 8B layer's four projections, device time (us,
 # the W8A8 path's quantization included): fp8 at 16 rows 77.5 weight-only against
 # 90.7, level at 64 (106.2 / 102.8), behind at 128 (155.1 / 109.8); int8 level at 16
-# rows (96.7 / 95.3), behind at 64 (128.5 / 105.3), and in the int8 engine at 16
-# rows the bare decode step took 4.09 against 3.91 ms, so int8 keeps W8A8.
+# rows (96.7 / 95.3), behind at 64 (128.5 / 105.3), and the int8 engine's bare decode
+# step took 4.09 ms weight-only against 3.91 W8A8, so int8 keeps W8A8.
 WEIGHT_ONLY_ROWS = {"fp8": 64, "int8": 0}
 
 
