@@ -46,8 +46,8 @@ def ref_quant_matmul(x, w, x_scale, w_scale, *, out_dtype=None):
     f32 [N, K / G], per row and group of G columns (block FP8 scales, repeated per row).
 
     Quantized x: the dot of the widened values, exact in f32 (jaxllm's
-    ``quantized_matmul``); weight-only: w cast to x's dtype, then the dot with f32
-    accumulation (QuantLinear's weight-only path). Scales multiply the f32 result;
+    ``quantized_matmul``); weight-only: w cast to x's dtype, the dot with f32 sums
+    (the kernel's f16 dots: the same for x in f16's range). Scales multiply the result;
     group scales the weight, in f32 (block_matmul rounds it to x's dtype)."""
     out_dtype = default_out_dtype(x.dtype, x_scale, out_dtype)
     dims = (((1,), (1,)), ((), ()))
@@ -92,19 +92,17 @@ def default_out_dtype(x_dtype, x_scale, out_dtype=None):
 # --- settings ------------------------------------------------------------------------
 
 def default_dot_dtype(x_dtype, w_dtype, x_scale):
-    """int8 x int8: the int8 dot itself (int32 accumulation, exact, and no conversion at
-    all: widening int8 to f16 is one cvt per value, which at the H200's bandwidth
-    would keep the conversion pipe, 16 results per clock per SM, near full).
-    Other quantized x: f16, which holds every e4m3 and int8 value exactly (e4m3 -> f16
-    is one packed cvt per two values on sm90). Weight-only: x's dtype, so x is not
-    rounded (f16's range ends at 65504; ``dot_dtype=float16`` is the faster choice for
-    fp8 weights when activations stay inside it, see paged_attention_decode's
-    default_dot_dtype)."""
+    """int8 x int8: the int8 dot itself (int32 sums, exact, no conversion: widening int8
+    to f16 is a cvt per value on the conversion pipe, 16 results per clock per SM).
+    Otherwise f16, which holds every e4m3, int8 and in-range bf16 value exactly: e4m3
+    -> f16 is one packed cvt per two values on sm90, e4m3 -> bf16 a scalar cvt per
+    value more (quant_matmul clamps a bf16 x to f16's range). Weight-only int8 or an
+    f32 x: x's dtype."""
+    x_dtype, w_dtype = jnp.dtype(x_dtype), jnp.dtype(w_dtype)
     if x_scale is None:
-        return jnp.dtype(x_dtype)
-    if jnp.dtype(x_dtype) == jnp.int8 and jnp.dtype(w_dtype) == jnp.int8:
-        return jnp.dtype(jnp.int8)
-    return jnp.dtype(jnp.float16)
+        wide = w_dtype == jnp.int8 or x_dtype.itemsize > 2
+        return x_dtype if wide else jnp.dtype(jnp.float16)
+    return jnp.dtype(jnp.int8 if x_dtype == w_dtype == jnp.int8 else jnp.float16)
 
 
 def smem_bytes(mp, bn, bk, w_bits, x_itemsize, num_stages, groups_per_step=0) -> int:
@@ -173,8 +171,8 @@ def quant_matmul(x, w, x_scale, w_scale, *, out_dtype=None, block_n=None, block_
                  k_splits=None, num_warps=None, num_stages=None, dot_dtype=None,
                  interpret=False):
     """Same contract as ``ref_quant_matmul``; the rest are kernel settings
-    (default_settings, default_dot_dtype). A quantized x may come widened to f16
-    (exactly), which spares each program converting x's tile."""
+    (default_settings, default_dot_dtype). A weight-only x is cast to f16 here for f16
+    dots, once rather than per program."""
     m, k = x.shape
     n = w.shape[0]
     if jnp.dtype(w.dtype) not in (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.int8)):
@@ -182,6 +180,8 @@ def quant_matmul(x, w, x_scale, w_scale, *, out_dtype=None, block_n=None, block_
     _check(m, k, w.shape, (n, k))
     out_dtype = default_out_dtype(x.dtype, x_scale, out_dtype)
     dot_dtype = jnp.dtype(dot_dtype or default_dot_dtype(x.dtype, w.dtype, x_scale))
+    if x_scale is None and dot_dtype == jnp.float16 and x.dtype != jnp.float16:
+        x = jnp.clip(x.astype(jnp.float32), -65504.0, 65504.0).astype(jnp.float16)  # f16 max
     st = default_settings(m, n, k, 8, x.dtype.itemsize, block_n=block_n, block_k=block_k,
                           k_splits=k_splits, num_warps=num_warps, num_stages=num_stages)
     aux = [w_scale.astype(jnp.float32)]

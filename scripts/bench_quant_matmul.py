@@ -30,9 +30,11 @@ a scale per row and 128-column group (native FP8 checkpoints' 128x128 blocks), a
 layer computes it at decode sizes (block_matmul), with the scales multiplied in bf16,
 and through the Pallas kernel (its error against its reference printed too).
 
-Kinds w8a16_fp8 / w8a16_int8: the fp8 / int8 weight widened to bf16 inside the dot
-against the bf16 input (weight_only_matmul, what decode-sized steps run on a GPU;
-under the `default` variant XLA's Triton GEMM reads the narrow weight in place).
+Kinds w8a16_fp8 / w8a16_int8: the layer's weight-only path (weight_only_matmul, what
+decode-sized steps run on a GPU: an fp8 weight widened to f16 with the bf16 input cast
+to f16, an int8 one widened to bf16; under the `default` variant XLA's Triton GEMM
+reads the narrow weight in place). w8a16_fp8_bf16: the fp8 weight widened to bf16
+instead (the path before the f16 dots), for the two side by side.
 
 --copies C runs C matmuls of a row's kind in one program, each on its own input and
 weight, and reports the time per matmul: the device's time, where one call per matmul
@@ -96,6 +98,12 @@ def w8a8(dtype: str):
 
 def w8a16(x, wq, ws):
     return weight_only_matmul(x, wq, ws, 1).astype(x.dtype)
+
+
+def w8a16_bf16(x, wq, ws):
+    y = jax.lax.dot_general(x, wq.astype(x.dtype), (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32)
+    return (y * ws).astype(x.dtype)
 
 
 def block_fp8(x, wq, ws):
@@ -211,11 +219,12 @@ def case_args(kind, m, n, k, key, settings=None):
         fn = pallas_block_fp8(settings or {}) if kind == "pallas_block_fp8" else (
             block_fp8 if kind == "block_fp8" else block_fp8_bf16)
         return fn, (x, wq, ws)
-    dtype = kind.removeprefix("pallas_").removeprefix("w8a16_")
+    dtype = kind.removeprefix("pallas_").removeprefix("w8a16_").removesuffix("_bf16")
     scale = jnp.max(jnp.abs(w), axis=1) / (448.0 if dtype == "fp8" else 127.0)
     wq = w / scale[:, None]
     wq = jnp.round(wq) if dtype == "int8" else wq
     fn = (pallas_w8a8(dtype, settings or {}) if kind.startswith("pallas") else
+          w8a16_bf16 if kind == "w8a16_fp8_bf16" else
           w8a16 if kind.startswith("w8a16") else w8a8(dtype))
     return fn, (x, wq.astype(STORE[dtype]), scale)
 

@@ -337,3 +337,22 @@ def test_weight_only_f16_dot_lowers():
     text = lower_for_cuda(lambda x, w, ws: fn(x, w, None, ws), SD((8, 4096), BF16),
                           SD((4096, 4096), jnp.int8), SD((4096,), F32))
     assert "__gpu$xla.gpu.triton" in text
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+def test_weight_only_fp8_dots_run_in_f16(kind):
+    """Weight-only under a bf16 x: an fp8 weight's dots run in f16 (the Triton call
+    takes x cast to f16: e4m3 -> bf16 costs a conversion per value more), clamped to
+    f16's range so that a bf16 value past 65504 stays finite; an int8 weight's in
+    bf16. The numbers are the reference's on the clamped x."""
+    wq, ws = _w8(13, 64, 256, kind)
+    text = lower_for_cuda(lambda x, w, ws: quant_matmul(x, w, None, ws),
+                          SD((16, 256), BF16), SD((64, 256), STORE[kind]), SD((64,), F32))
+    call = next(line for line in text.splitlines() if "xla.gpu.triton" in line)
+    assert f"tensor<16x256x{'f16' if kind == 'fp8' else 'bf16'}>" in call
+    x = _x(14, 16, 256, BF16).at[2, 5].set(2e5).at[7, 11].set(-3e9)
+    got = run(functools.partial(quant_matmul, interpret=True, out_dtype=F32, **SMALL),
+              x, wq, None, ws)
+    clamped = jnp.clip(x.astype(F32), -65504, 65504).astype(BF16 if kind == "int8" else F32)
+    want = ref_quant_matmul(clamped if kind == "fp8" else x, wq, None, ws, out_dtype=F32)
+    _close(got, want, 1e-5)

@@ -239,9 +239,9 @@ def test_int4_layer_lowers_to_the_kernel_at_decode_sizes(monkeypatch, out_shape,
                          ids=["fp8", "fp8_static", "int8_asym"])
 def test_weight_only_at_decode_sizes(monkeypatch, act):
     """On a GPU, up to WEIGHT_ONLY_ROWS tokens a W8A8 layer with per-channel scales
-    runs weight-only: lowered for CUDA, one dot of x's dtype on the widened weight
-    (no quantized operand) up to the bound, the quantized dot above it; its numbers
-    are x times the dequantized weight (here forced on the CPU)."""
+    runs weight-only: lowered for CUDA, one dot on the widened weight (f16 for fp8,
+    x's dtype for int8; no quantized operand) up to the bound, the quantized dot
+    above it; its numbers are x times the dequantized weight (forced on the CPU)."""
     if act.dtype == "int8":     # the path as it stands, were int8 given rows
         monkeypatch.setitem(linear.WEIGHT_ONLY_ROWS, "int8", 16)
     from flax import nnx
@@ -268,11 +268,46 @@ def test_weight_only_at_decode_sizes(monkeypatch, act):
         assert len(dots) == 1, dots
         quantized = f"tensor<{tokens}x128x{operand}>" in dots[0]
         assert quantized == (tokens > rows), dots[0]
-        assert (f"tensor<{tokens}x128xbf16>, tensor<2x96x128xbf16>" in dots[0]) != quantized
+        wide = "f16" if kind == "fp8" else "bf16"    # weight_only_dot_dtype
+        assert (f"tensor<{tokens}x128x{wide}>, tensor<2x96x128x{wide}>" in dots[0]) != quantized
     x = rng.standard_normal((16, 128)).astype(np.float32)
     w = np.asarray(wq.astype(jnp.float32)) * ws[..., None]
     got = np.asarray(layer(jnp.asarray(x), tp=1))
     np.testing.assert_allclose(got, np.einsum("tk,abk->tab", x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_weight_only_dot_dtype():
+    """fp8 weights under a 16-bit input widen to f16 (one packed conversion per two
+    values on sm90, where bf16 costs one more per value); int8 weights and f32 inputs
+    keep x's dtype."""
+    f8, i8 = jnp.float8_e4m3fn, jnp.int8
+    assert linear.weight_only_dot_dtype(jnp.bfloat16, f8) == jnp.float16
+    assert linear.weight_only_dot_dtype(jnp.float16, f8) == jnp.float16
+    assert linear.weight_only_dot_dtype(jnp.float32, f8) == jnp.float32
+    assert linear.weight_only_dot_dtype(jnp.bfloat16, i8) == jnp.bfloat16
+
+
+def test_weight_only_f16_dot_equals_the_bf16_one():
+    """The f16 dot of a bf16 x and an fp8 weight is the bf16 dot's math: both widen
+    their operands exactly and sum in f32 (equal up to the order of the f32 sums); x
+    past f16's range is clamped to +-65504, not turned into inf."""
+    rng = np.random.default_rng(21)
+    wq = jnp.asarray(rng.normal(size=(96, 256)) * 60, jnp.float8_e4m3fn)
+    ws = jnp.asarray(rng.uniform(0.001, 0.01, (96,)), jnp.float32)
+    x = jnp.asarray(rng.normal(size=(16, 256)) * 4, jnp.bfloat16)
+    dims = (((1,), (1,)), ((), ()))
+    bf16 = jax.lax.dot_general(x, wq.astype(jnp.bfloat16), dims,
+                               preferred_element_type=jnp.float32) * ws
+    got = linear.weight_only_matmul(x, wq, ws, 1)
+    assert "f16" in str(jax.make_jaxpr(linear.weight_only_matmul, static_argnums=3)(
+        x, wq, ws, 1)).replace("bf16", "")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(bf16), rtol=1e-5, atol=1e-4)
+    big = x.at[3, 7].set(3e5).at[5, 9].set(-1e38)       # bf16 values past f16's max
+    got = np.asarray(linear.weight_only_matmul(big, wq, ws, 1))
+    clamped = np.clip(np.asarray(big, np.float32), -65504, 65504)
+    want = clamped @ (np.asarray(wq.astype(jnp.float32)) * np.asarray(ws)[:, None]).T
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-3)
 
 
 def test_weight_only_only_where_it_applies(monkeypatch):
