@@ -15,6 +15,7 @@ Two subjects:
 
     python3 scripts/triton_sass.py gemm [--m 16] [--bk 128] [--bn 128]
     python3 scripts/triton_sass.py quant_matmul --m 16 --n 28672 --k 4096 [--x bf16]
+        [--group 128]     (block FP8: a scale per row and group of columns)
 
 The Triton the wheel brings may not be the one XLA bundles: counts are indicative
 (what an instruction costs per value), not the GPU's final code.
@@ -114,8 +115,9 @@ def quant_matmul(args) -> None:
     registration.lowering.lower_jaxpr_to_triton_module = capture
     x_dtype = {"bf16": jnp.bfloat16, "f16": jnp.float16}[args.x]
     sd = jax.ShapeDtypeStruct
+    scales = (args.n, args.k // args.group) if args.group else (args.n,)
     shapes = (sd((args.m, args.k), x_dtype), sd((args.n, args.k), jnp.float8_e4m3fn),
-              sd((args.n,), jnp.float32))
+              sd(scales, jnp.float32))
     fn = jax.jit(lambda x, w, ws: qmm.quant_matmul(x, w, None, ws))
     try:
         from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
@@ -126,14 +128,14 @@ def quant_matmul(args) -> None:
     else:
         with use_abstract_mesh(mesh):
             fn.trace(*shapes).lower(lowering_platforms=("cuda",))
-    st = qmm.default_settings(args.m, args.n, args.k, 8, 2)
+    st = qmm.default_settings(args.m, args.n, args.k, 8, 2, group=args.group or None)
     with tempfile.NamedTemporaryFile("w", suffix=".ttir") as f:
         f.write(captured[-1])
         f.flush()
         kernel = compile_for_sm90(f.name, st["num_warps"], st["num_stages"])
     values = st["bn"] * st["bk"] // (32 * st["num_warps"])
-    report(f"quant_matmul weight-only fp8, x {args.x}, M {args.m} N {args.n} K {args.k}, "
-           f"settings {st}", kernel, values)
+    report(f"quant_matmul weight-only fp8, x {args.x}, M {args.m} N {args.n} K {args.k}"
+           f"{f' G {args.group}' if args.group else ''}, settings {st}", kernel, values)
 
 
 def main() -> int:
@@ -147,6 +149,7 @@ def main() -> int:
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--stages", type=int, default=4)
     ap.add_argument("--x", default="bf16", choices=("bf16", "f16"))
+    ap.add_argument("--group", type=int, default=0, help="group scales of G columns")
     args = ap.parse_args()
     try:
         import triton  # noqa: F401
