@@ -34,7 +34,10 @@ Kinds w8a16_fp8 / w8a16_int8: the layer's weight-only path (weight_only_matmul, 
 decode-sized steps run on a GPU: an fp8 weight widened to f16 with the bf16 input cast
 to f16, an int8 one widened to bf16; under the `default` variant XLA's Triton GEMM
 reads the narrow weight in place). w8a16_fp8_bf16: the fp8 weight widened to bf16
-instead (the path before the f16 dots), for the two side by side.
+instead (the path before the f16 dots), for the two side by side. w8a16_int8_f16: an
+int8 weight stored as uint8 q + 128 and widened by its bits (f16 0x6400 | u is 1024 +
+u: an OR, no int-to-float conversion per value), the offset taken off the product as
+1152 * sum(x); whether XLA's GEMM takes that into its prologue is what it measures.
 
 --copies C runs C matmuls of a row's kind in one program, each on its own input and
 weight, and reports the time per matmul: the device's time, where one call per matmul
@@ -103,6 +106,14 @@ def w8a16(x, wq, ws):
 def w8a16_bf16(x, wq, ws):
     y = jax.lax.dot_general(x, wq.astype(x.dtype), (((1,), (1,)), ((), ())),
                             preferred_element_type=jnp.float32)
+    return (y * ws).astype(x.dtype)
+
+
+def w8a16_int8_f16(x, wu, ws):
+    f = jax.lax.bitcast_convert_type(wu.astype(jnp.uint16) | jnp.uint16(0x6400), jnp.float16)
+    xh = jnp.clip(x.astype(jnp.float32), -65504.0, 65504.0).astype(jnp.float16)
+    y = jax.lax.dot_general(xh, f, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    y = y - 1152.0 * jnp.sum(xh.astype(jnp.float32), axis=1, keepdims=True)
     return (y * ws).astype(x.dtype)
 
 
@@ -220,9 +231,12 @@ def case_args(kind, m, n, k, key, settings=None):
             block_fp8 if kind == "block_fp8" else block_fp8_bf16)
         return fn, (x, wq, ws)
     dtype = kind.removeprefix("pallas_").removeprefix("w8a16_").removesuffix("_bf16")
+    dtype = dtype.removesuffix("_f16")
     scale = jnp.max(jnp.abs(w), axis=1) / (448.0 if dtype == "fp8" else 127.0)
     wq = w / scale[:, None]
     wq = jnp.round(wq) if dtype == "int8" else wq
+    if kind == "w8a16_int8_f16":
+        return w8a16_int8_f16, (x, (wq + 128).astype(jnp.uint8), scale)
     fn = (pallas_w8a8(dtype, settings or {}) if kind.startswith("pallas") else
           w8a16_bf16 if kind == "w8a16_fp8_bf16" else
           w8a16 if kind.startswith("w8a16") else w8a8(dtype))
