@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxllm.layers.quantization.schemes import (ActScheme, LinearScheme, fuse_qkv,
-                                                unfuse_qkv)
+from jaxllm.layers.quantization.schemes import (ActScheme, LinearScheme, QuantConfig,
+                                                fuse_qkv, unfuse_qkv)
 from jaxllm.models.quant_config import resolve_for_tp
 from jaxllm.models.quant_loader import join_parts
 from jaxllm.models.registry import arch_from_hf_config
@@ -67,3 +67,13 @@ def test_rows_grouped_by_kv_head():
     parts = [x.reshape(-1, 3) for x in (q, k, v)]
     rows = join_parts(arch, "self_attn.qkv_proj", parts).reshape(2, 6, d, 3)[:, :, 0, 0]
     np.testing.assert_array_equal(rows, [[0, 1, 2, 3, 100, 200], [4, 5, 6, 7, 101, 201]])
+
+
+def test_describe_counts_the_checkpoints_linear_layers():
+    """The start-up line counts q, k and v as three linear layers (as the checkpoint
+    has them) whether they run as one qkv_proj or as q_proj and kv_proj."""
+    schemes = _layer(FP8, FP8, 0) + _layer(FP8, FP8, 1)
+    fused = QuantConfig("fp8", True, fuse_qkv(schemes)).describe()
+    apart = QuantConfig("fp8", True, tuple(schemes)).describe()
+    assert "8 linear layers in 4 matmuls" in fused
+    assert "8 linear layers in 6 matmuls" in apart

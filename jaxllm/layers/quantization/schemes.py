@@ -91,7 +91,11 @@ class QuantConfig:
     def describe(self) -> str:
         kinds = sorted({s.describe() for _, s in self.schemes})
         how = "quantized at load" if self.online else "from the checkpoint"
-        return f"{self.method}, {how}: {len(self.schemes)} linear layers, {'; '.join(kinds)}"
+        # The checkpoint's linear layers (q, k and v three), in the matmuls they run as.
+        hf = sum(next((len(v) for k, v in HF_PARTS.items() if m.endswith("." + k)), 1)
+                 for m, _ in self.schemes)
+        return (f"{self.method}, {how}: {hf} linear layers in {len(self.schemes)} matmuls, "
+                f"{'; '.join(kinds)}")
 
 
 # jaxllm projection -> (HF module names it is made of, relative to model.layers.{i}).
