@@ -29,6 +29,10 @@ Kinds block_fp8, block_fp8_bf16 and pallas_block_fp8: a weight-only fp8 matmul w
 a scale per row and 128-column group (native FP8 checkpoints' 128x128 blocks), as the
 layer computes it at decode sizes (block_matmul), with the scales multiplied in bf16,
 and through the Pallas kernel (its error against its reference printed too).
+block_fp8_nblock: no dequantized weight; a GEMM batched over the 128-row N blocks, the
+input scaled per N block and K group first (x' [NB, M, K] = x * s[nb, g(k)] in f16,
+the scales expanded along K at load) against each block's fp8 rows widened to f16,
+for whether XLA takes x' into its GEMM's prologue (one scale per 128x128 block here).
 
 Kinds w8a16_fp8 / w8a16_int8: the layer's weight-only path (weight_only_matmul, what
 decode-sized steps run on a GPU: an fp8 weight widened to f16 with the bf16 input cast
@@ -76,7 +80,7 @@ PALLAS_KINDS = ("pallas_fp8", "pallas_int8", "xla_w4", "pallas_w4", "xla_u4")
 W4_GROUP = 128
 # Block-scaled fp8 (native FP8 checkpoints, 128x128 blocks; scales repeated per row).
 BLOCK = 128
-BLOCK_KINDS = ("block_fp8", "block_fp8_bf16", "pallas_block_fp8")
+BLOCK_KINDS = ("block_fp8", "block_fp8_bf16", "pallas_block_fp8", "block_fp8_nblock")
 
 
 def time_us(fn, *args, reps=200) -> float:
@@ -134,6 +138,15 @@ def block_fp8_bf16(x, wq, ws):
         ..., None]
     return jnp.einsum("tk,nk->tn", x, w.reshape(n, k),
                       preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def block_fp8_nblock(x, wq, s_exp):
+    n, k = wq.shape
+    nb = n // BLOCK
+    xs = (x.astype(jnp.float32)[None] * s_exp[:, None, :]).astype(jnp.float16)  # [NB, M, K]
+    w = wq.reshape(nb, BLOCK, k).astype(jnp.float16)
+    y = jnp.einsum("bmk,bnk->mbn", xs, w, preferred_element_type=jnp.float32)
+    return y.reshape(x.shape[0], n).astype(x.dtype)
 
 
 def pallas_block_fp8(settings: dict):
@@ -229,6 +242,8 @@ def case_args(kind, m, n, k, key, settings=None):
     if kind in BLOCK_KINDS:
         wq = (jax.random.normal(kw, (n, k), jnp.float32) * 100).astype(jnp.float8_e4m3fn)
         ws = jax.random.uniform(kx, (n, k // BLOCK), jnp.float32, 1e-4, 4e-4)
+        if kind == "block_fp8_nblock":      # [NB, K]: each block's scales along K
+            return block_fp8_nblock, (x, wq, jnp.repeat(ws[::BLOCK], BLOCK, axis=1))
         fn = pallas_block_fp8(settings or {}) if kind == "pallas_block_fp8" else (
             block_fp8 if kind == "block_fp8" else block_fp8_bf16)
         return fn, (x, wq, ws)
