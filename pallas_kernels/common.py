@@ -227,3 +227,17 @@ def init_carry(rows: int, dp: int):
 
 def is_fp8(dtype) -> bool:
     return jnp.dtype(dtype).itemsize == 1
+
+
+F16_MAX = 65504.0
+
+
+def to_f16(x):
+    """x (16- or 32-bit float) as f16 for a dot that widens fp8 to f16: finite values
+    clamped to +-65504 (a bf16 value past it would otherwise turn into inf), inf and
+    NaN kept. Exact for |x| in [2^-14, 65504] (bf16 has 8 significant bits, f16 11);
+    below, f16's subnormal step is 2^-24."""
+    if x.dtype == jnp.float16:
+        return x
+    xf = x.astype(jnp.float32)
+    return jnp.where(jnp.isinf(xf), xf, jnp.clip(xf, -F16_MAX, F16_MAX)).astype(jnp.float16)

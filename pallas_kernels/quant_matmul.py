@@ -47,7 +47,7 @@ def ref_quant_matmul(x, w, x_scale, w_scale, *, out_dtype=None):
 
     Quantized x: the dot of the widened values, exact in f32 (jaxllm's
     ``quantized_matmul``); weight-only: w cast to x's dtype, the dot with f32 sums
-    (the kernel's f16 dots: the same for x in f16's range). Scales multiply the result;
+    (the kernel's f16 dots: the same for |x| in [2^-14, 65504]). Scales multiply it;
     group scales the weight, in f32 (block_matmul rounds it to x's dtype)."""
     out_dtype = default_out_dtype(x.dtype, x_scale, out_dtype)
     dims = (((1,), (1,)), ((), ()))
@@ -94,10 +94,9 @@ def default_out_dtype(x_dtype, x_scale, out_dtype=None):
 def default_dot_dtype(x_dtype, w_dtype, x_scale):
     """int8 x int8: the int8 dot itself (int32 sums, exact, no conversion: widening int8
     to f16 is a cvt per value on the conversion pipe, 16 results per clock per SM).
-    Otherwise f16, which holds every e4m3, int8 and in-range bf16 value exactly: e4m3
-    -> f16 is one packed cvt per two values on sm90, e4m3 -> bf16 a scalar cvt per
-    value more (quant_matmul clamps a bf16 x to f16's range). Weight-only int8 or an
-    f32 x: x's dtype."""
+    Weight-only int8 or an f32 x: x's dtype. Otherwise f16 (a weight-only x through
+    common.to_f16): e4m3 -> f16 is one packed cvt per two values on sm90, e4m3 -> bf16
+    a scalar cvt per value more; e4m3 and int8 values are exact in f16."""
     x_dtype, w_dtype = jnp.dtype(x_dtype), jnp.dtype(w_dtype)
     if x_scale is None:
         wide = w_dtype == jnp.int8 or x_dtype.itemsize > 2
@@ -181,7 +180,7 @@ def quant_matmul(x, w, x_scale, w_scale, *, out_dtype=None, block_n=None, block_
     out_dtype = default_out_dtype(x.dtype, x_scale, out_dtype)
     dot_dtype = jnp.dtype(dot_dtype or default_dot_dtype(x.dtype, w.dtype, x_scale))
     if x_scale is None and dot_dtype == jnp.float16 and x.dtype != jnp.float16:
-        x = jnp.clip(x.astype(jnp.float32), -65504.0, 65504.0).astype(jnp.float16)  # f16 max
+        x = common.to_f16(x)
     st = default_settings(m, n, k, 8, x.dtype.itemsize, block_n=block_n, block_k=block_k,
                           k_splits=k_splits, num_warps=num_warps, num_stages=num_stages)
     aux = [w_scale.astype(jnp.float32)]

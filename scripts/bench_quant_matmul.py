@@ -38,7 +38,7 @@ Kinds w8a16_fp8 / w8a16_int8: the layer's weight-only path (weight_only_matmul, 
 decode-sized steps run on a GPU: an fp8 weight widened to f16 with the bf16 input cast
 to f16, an int8 one widened to bf16; under the `default` variant XLA's Triton GEMM
 reads the narrow weight in place). w8a16_fp8_bf16: the fp8 weight widened to bf16
-instead (the path before the f16 dots), for the two side by side. w8a16_int8_f16: the
+instead (the bf16-dot alternative), for the two side by side. w8a16_int8_f16: the
 int8 weight widened to f16 by its bits (u = q + 128 by an XOR; f16 0x6400 | u is 1024 +
 u; minus 1152 is q, exactly: integer ops and a packed f16 subtract, no int-to-float
 conversion per value); whether XLA's GEMM takes that into its prologue is what it

@@ -17,8 +17,9 @@ from jaxllm.layers.quantization.linear import (block_matmul, grouped_dequant_mat
                                                quantized_matmul)
 from jaxllm.layers.quantization.schemes import ActScheme, LinearScheme
 from pallas_kernels import common
-from pallas_kernels.quant_matmul import (default_settings, quant_matmul, quant_matmul_int4,
-                                         ref_quant_matmul, ref_quant_matmul_int4, smem_bytes)
+from pallas_kernels.quant_matmul import (default_dot_dtype, default_settings, quant_matmul,
+                                         quant_matmul_int4, ref_quant_matmul,
+                                         ref_quant_matmul_int4, smem_bytes)
 
 SD = jax.ShapeDtypeStruct
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -98,7 +99,7 @@ def test_static_input_scale():
 
 @pytest.mark.parametrize("kind", ["fp8", "int8"])
 def test_weight_only(kind):
-    """bf16 x, no x scale: QuantLinear's weight-only path (w cast to bf16, f32 sums)."""
+    """bf16 x, no x scale: QuantLinear's weight-only math (w widened, f32 sums)."""
     wq, ws = _w8(4, 80, 200, kind)
     x = _x(5, 8, 200, BF16)
     got = run(functools.partial(quant_matmul, interpret=True, out_dtype=F32, k_splits=2,
@@ -356,3 +357,15 @@ def test_weight_only_fp8_dots_run_in_f16(kind):
     clamped = jnp.clip(x.astype(F32), -65504, 65504).astype(BF16 if kind == "int8" else F32)
     want = ref_quant_matmul(clamped if kind == "fp8" else x, wq, None, ws, out_dtype=F32)
     _close(got, want, 1e-5)
+
+
+@pytest.mark.parametrize("x,w,scaled,want", [
+    (BF16, "fp8", False, jnp.float16), (jnp.float16, "fp8", False, jnp.float16),
+    (F32, "fp8", False, F32), (BF16, "int8", False, BF16), (F32, "int8", False, F32),
+    ("fp8", "fp8", True, jnp.float16), ("int8", "int8", True, jnp.int8),
+    (jnp.float16, "int8", True, jnp.float16)])
+def test_default_dot_dtype(x, w, scaled, want):
+    """The dots' dtype: f16 for fp8 weights under a 16-bit x and for quantized x (exact
+    for e4m3 and int8 values), the int8 dot for int8 x int8, else x's dtype."""
+    x, w = STORE.get(x, x), STORE[w]
+    assert default_dot_dtype(x, w, 1.0 if scaled else None) == jnp.dtype(want)

@@ -276,21 +276,25 @@ def test_weight_only_at_decode_sizes(monkeypatch, act):
     np.testing.assert_allclose(got, np.einsum("tk,abk->tab", x, w), rtol=1e-5, atol=1e-5)
 
 
-def test_weight_only_dot_dtype():
-    """fp8 weights under a 16-bit input widen to f16 (one packed conversion per two
-    values on sm90, where bf16 costs one more per value); int8 weights and f32 inputs
-    keep x's dtype."""
+def test_weight_only_dot_dtype(monkeypatch):
+    """On a GPU fp8 weights under a 16-bit input widen to f16 (one packed conversion per
+    two values on sm90, where bf16 costs one more per value); int8 weights, f32 inputs
+    and the CPU (no such conversion cost) keep x's dtype."""
     f8, i8 = jnp.float8_e4m3fn, jnp.int8
+    monkeypatch.setattr(linear, "on_gpu", lambda: True)
     assert linear.weight_only_dot_dtype(jnp.bfloat16, f8) == jnp.float16
     assert linear.weight_only_dot_dtype(jnp.float16, f8) == jnp.float16
     assert linear.weight_only_dot_dtype(jnp.float32, f8) == jnp.float32
     assert linear.weight_only_dot_dtype(jnp.bfloat16, i8) == jnp.bfloat16
+    monkeypatch.setattr(linear, "on_gpu", lambda: False)
+    assert linear.weight_only_dot_dtype(jnp.bfloat16, f8) == jnp.bfloat16
 
 
-def test_weight_only_f16_dot_equals_the_bf16_one():
+def test_weight_only_f16_dot_equals_the_bf16_one(monkeypatch):
     """The f16 dot of a bf16 x and an fp8 weight is the bf16 dot's math: both widen
     their operands exactly and sum in f32 (equal up to the order of the f32 sums); x
-    past f16's range is clamped to +-65504, not turned into inf."""
+    past f16's range is clamped to +-65504, not turned into inf, and inf stays inf."""
+    monkeypatch.setattr(linear, "on_gpu", lambda: True)
     rng = np.random.default_rng(21)
     wq = jnp.asarray(rng.normal(size=(96, 256)) * 60, jnp.float8_e4m3fn)
     ws = jnp.asarray(rng.uniform(0.001, 0.01, (96,)), jnp.float32)
@@ -308,6 +312,8 @@ def test_weight_only_f16_dot_equals_the_bf16_one():
     want = clamped @ (np.asarray(wq.astype(jnp.float32)) * np.asarray(ws)[:, None]).T
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-3)
+    inf = np.asarray(linear.weight_only_matmul(x.at[2, 0].set(jnp.inf), wq, ws, 1))
+    assert not np.isfinite(inf[2]).any() and np.isfinite(np.delete(inf, 2, 0)).all()
 
 
 def test_weight_only_only_where_it_applies(monkeypatch):

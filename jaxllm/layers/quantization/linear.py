@@ -257,41 +257,32 @@ def use_weight_only(scheme: LinearScheme, tokens: int) -> bool:
 
 
 def weight_only_dot_dtype(x_dtype, w_dtype):
-    """The dtype a weight-only dot runs in: f16 for an fp8 weight under a 16-bit input,
-    else x's. On sm90 Triton widens e4m3 to f16 with one packed conversion per two
-    values, and to bf16 with that and a scalar f16 -> bf16 conversion per value
-    (sm90 SASS of a Triton GEMM, compiled offline: F2FP.F16.E4M3.UNPACK_B per pair,
-    plus F2F.BF16.F16 per value for bf16). That conversion pipe, ~16 results per
-    clock per SM, caps an fp8 weight stream at ~3.7 TB/s in bf16, where XLA's fp8 x
-    bf16 GEMMs measured 2.9-3.3 TB/s; the fp8 KV decode kernel gained 1.45x from the
-    same switch (paged_attention_decode.default_dot_dtype). Both dots are exact on
-    the operands (e4m3 and bf16 values fit f16; f16_input clamps x to f16's range)."""
-    if jnp.dtype(w_dtype) == jnp.dtype(jnp.float8_e4m3fn) and jnp.dtype(x_dtype).itemsize == 2:
+    """The dtype a weight-only dot runs in: on a GPU, f16 for an fp8 weight under a
+    16-bit input; else x's. On sm90 Triton widens e4m3 to f16 with one packed
+    conversion per two values, and to bf16 with that and a scalar f16 -> bf16
+    conversion per value (Triton's conversion table; scripts/triton_sass.py counts
+    them in compiled GEMMs). That conversion pipe, ~16 results per clock per SM, caps
+    an fp8 weight stream at ~3.7 TB/s in bf16, where XLA's fp8 x bf16 GEMMs measured
+    2.9-3.3 TB/s; the fp8 KV decode kernel gained 1.45x from the same switch
+    (paged_attention_decode.default_dot_dtype). The f16 dot's operands are the bf16
+    one's (pallas_kernels.common.to_f16) for |x| in [2^-14, 65504]."""
+    fp8_w = jnp.dtype(w_dtype) == jnp.dtype(jnp.float8_e4m3fn)
+    if fp8_w and jnp.dtype(x_dtype).itemsize == 2 and on_gpu():
         return jnp.dtype(jnp.float16)
     return jnp.dtype(x_dtype)
 
 
-# f16's largest finite value; bf16 inputs beyond it are clamped to it for f16 dots.
-F16_MAX = 65504.0
-
-
-def f16_input(x):
-    """x as f16, clamped to f16's range: exact for |x| in [2^-14, 65504] (bf16 has 8
-    significant bits, f16 11); smaller values keep f16's subnormal steps (2^-24)."""
-    if x.dtype == jnp.float16:
-        return x
-    return jnp.clip(x.astype(jnp.float32), -F16_MAX, F16_MAX).astype(jnp.float16)
-
-
 def weight_only_matmul(x, wq, w_scale, nk: int):
-    """x [T, K...] times the weight [N..., K...] widened to weight_only_dot_dtype (f16
-    for fp8 under a 16-bit x, else x's dtype: exact for fp8 and int8 values), f32
-    accumulation, then times w_scale [N...] (or a scalar). f32 [T, N...]."""
+    """x [T, K...] times the weight [N..., K...] widened to weight_only_dot_dtype (exact
+    for fp8 and int8 values), f32 accumulation, then times w_scale [N...] (or a
+    scalar). f32 [T, N...]."""
     dims = ((tuple(range(x.ndim - nk, x.ndim)), tuple(range(wq.ndim - nk, wq.ndim))),
             ((), ()))
     dt = weight_only_dot_dtype(x.dtype, wq.dtype)
-    xd = f16_input(x) if dt == jnp.float16 else x
-    return jax.lax.dot_general(xd, wq.astype(dt), dims,
+    if dt == jnp.float16 and x.dtype != dt:
+        from pallas_kernels.common import to_f16     # Pallas imports, lazily
+        x = to_f16(x)
+    return jax.lax.dot_general(x, wq.astype(dt), dims,
                                preferred_element_type=jnp.float32) * w_scale
 
 
