@@ -27,7 +27,8 @@ from jaxllm.engine.scheduler import KVCacheLostError
 from jaxllm.layers.attention import AttentionSpec
 from jaxllm.models.loader import LoadedModel
 from jaxllm.parallel import distributed, mesh as mesh_lib
-from jaxllm.runner import executable_store, input_batch, kv_cache, sampling_rows
+from jaxllm.runner import (executable_store, input_batch, kv_cache, packed_leaves,
+                           sampling_rows)
 from jaxllm.runner.buckets import BucketPlan
 from jaxllm.runner.compilation import (CompilationManager, Program, ProgramReplaced,
                                        first_requests_only)
@@ -74,14 +75,13 @@ class ModelRunner:
         self._stager = InputStager()
         self._prev_rows: dict[str, int] = {}   # request id -> its row in _token_buf
         self._row_entries: dict[str, sampling_rows.RowEntry] = {}   # by request id
-        self._leaves, treedef = jax.tree.flatten(self.state)
+        self._leaves, treedef = packed_leaves.flatten(self.state)   # treedef or layout
         self._step_jit = StepJits(functools.partial(
             _forward, self.graphdef, treedef, self.spec, hidden_layers), self._leaves,
             self._out_shardings())
         self._sample = jax.jit(_sample_into, static_argnums=(2,), donate_argnums=(3,))
         self.store = self._open_store(treedef)
-        # The warm-up's compiled programs, called directly (others: the jits above).
-        # Loading holds the GIL on a CPU, mostly not on a GPU (executable_store).
+        # Warm-up programs run directly; loading holds the GIL on a CPU (executable_store).
         cpu = mesh.local_devices[0].platform == "cpu"
         self.compilation = CompilationManager(self.store, min(os.cpu_count() or 1, 16),
                                               1 if cpu else 8, self._rebuild_program,

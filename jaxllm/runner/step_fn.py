@@ -31,7 +31,7 @@ def forward(graphdef, treedef, spec, hidden_layers, leaves, kv_caches, token_buf
     input_ids = jnp.where(input_ids < 0, token_buf[jnp.maximum(-input_ids - 1, 0)], input_ids)
     # The step takes the parameters as a flat list: flattening an NNX State and
     # hashing a static graphdef on every call cost milliseconds of host time per step.
-    model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+    model = nnx.merge(graphdef, treedef.unflatten(leaves))     # (or a PackedLayout)
     if hidden_layers:
         hidden, kv_caches, states = model(input_ids, positions, kv_caches, md, spec,
                                           aux_layers=hidden_layers)
@@ -121,7 +121,7 @@ def step_compiler_options(leaves, tokens: int) -> dict | None:
     Triton GEMMs widen the narrow weight in registers."""
     if jax.default_backend() != "gpu":
         return None
-    kinds = {_QUANTIZED.get(str(x.dtype)) for x in leaves} - {None}
+    kinds = {_QUANTIZED.get(str(x.dtype)) for x in jax.tree.leaves(leaves)} - {None}
     if not kinds:
         return None
     if tokens <= max(WEIGHT_ONLY_ROWS[k] for k in kinds):
