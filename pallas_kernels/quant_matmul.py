@@ -179,7 +179,7 @@ def quant_matmul(x, w, x_scale, w_scale, *, out_dtype=None, block_n=None, block_
     _check(m, k, w.shape, (n, k))
     out_dtype = default_out_dtype(x.dtype, x_scale, out_dtype)
     dot_dtype = jnp.dtype(dot_dtype or default_dot_dtype(x.dtype, w.dtype, x_scale))
-    if x_scale is None and dot_dtype == jnp.float16 and x.dtype != jnp.float16:
+    if x_scale is None and dot_dtype == jnp.float16:
         x = common.to_f16(x)
     st = default_settings(m, n, k, 8, x.dtype.itemsize, block_n=block_n, block_k=block_k,
                           k_splits=k_splits, num_warps=num_warps, num_stages=num_stages)

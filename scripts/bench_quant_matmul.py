@@ -70,6 +70,7 @@ from jaxllm.layers.quantization.linear import (  # noqa: E402
     weight_only_matmul)
 from jaxllm.layers.quantization.schemes import ActScheme, LinearScheme  # noqa: E402
 from pallas_kernels import quant_matmul as qmm  # noqa: E402
+from pallas_kernels.common import to_f16  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336)}
@@ -117,7 +118,7 @@ def w8a16_bf16(x, wq, ws):
 def w8a16_int8_f16(x, wq, ws):
     u = jax.lax.bitcast_convert_type(wq, jnp.uint8) ^ jnp.uint8(0x80)       # q + 128
     f = jax.lax.bitcast_convert_type(u.astype(jnp.uint16) | jnp.uint16(0x6400), jnp.float16)
-    xh = jnp.clip(x.astype(jnp.float32), -65504.0, 65504.0).astype(jnp.float16)
+    xh = to_f16(x)
     y = jax.lax.dot_general(xh, f - jnp.float16(1152), (((1,), (1,)), ((), ())),
                             preferred_element_type=jnp.float32)
     return (y * ws).astype(x.dtype)

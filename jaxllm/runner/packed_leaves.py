@@ -37,10 +37,10 @@ def enabled() -> bool:
 def flatten(state, pack: bool | None = None):
     """(args, layout): `args` the step's parameter argument, `layout.unflatten(args)`
     the state again (inside the step). Unpacked: jax.tree.flatten(state) itself."""
-    leaves, treedef = jax.tree.flatten(state)
     if not (enabled() if pack is None else pack):
-        return leaves, treedef
-    with_path, _ = jax.tree_util.tree_flatten_with_path(state)
+        return jax.tree.flatten(state)
+    with_path, treedef = jax.tree_util.tree_flatten_with_path(state)
+    leaves = [x for _, x in with_path]
     names = [tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path[:-1])
              for path, _ in with_path]      # the path's last key is the Variable's value
     by_name = dict(zip(names, leaves))

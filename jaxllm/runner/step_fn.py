@@ -117,8 +117,8 @@ def step_compiler_options(leaves, tokens: int) -> dict | None:
     weights' dtype) also leave out XLA's Triton GEMMs: their autotuning took 2-21 s
     per fp8 / int8 dot on the H200, minutes per engine start, while cuBLASLt alone
     compiles each in ~0.2 s and runs them at 1,000-1,120 TFLOP/s at 4,096 tokens.
-    Smaller steps run the layers weight-only (linear.use_weight_only): bf16 dots whose
-    Triton GEMMs widen the narrow weight in registers."""
+    Smaller steps run the layers weight-only (linear.use_weight_only): 16-bit dots
+    whose Triton GEMMs widen the narrow weight in registers."""
     if jax.default_backend() != "gpu":
         return None
     kinds = {_QUANTIZED.get(str(x.dtype)) for x in jax.tree.leaves(leaves)} - {None}
