@@ -31,7 +31,10 @@ _PER_CHANNEL = ("weight_scale", "azp_adj", "input_scale")
 
 
 def enabled() -> bool:
-    return os.environ.get("JAXLLM_PACK_SMALL_LEAVES", "0") == "1"
+    value = os.environ.get("JAXLLM_PACK_SMALL_LEAVES", "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"JAXLLM_PACK_SMALL_LEAVES={value!r}: 0 or 1 expected")
+    return value == "1"
 
 
 def flatten(state, pack: bool | None = None):

@@ -70,3 +70,12 @@ def test_engine_greedy_unchanged_with_fewer_arguments(tiny_model, monkeypatch, q
     # 2 layers of 2 norms (and 4 scales) and the final norm: one f32 buffer
     per_layer = 2 + 4 * (quantization is not None)
     assert counts[1] == counts[0] - (per_layer * 2 + 1) + 1
+
+
+def test_switch_takes_0_or_1(monkeypatch):
+    for value, on in (("0", False), ("1", True)):
+        monkeypatch.setenv("JAXLLM_PACK_SMALL_LEAVES", value)
+        assert packed_leaves.enabled() is on
+    monkeypatch.setenv("JAXLLM_PACK_SMALL_LEAVES", "yes")
+    with pytest.raises(ValueError, match="JAXLLM_PACK_SMALL_LEAVES='yes': 0 or 1"):
+        packed_leaves.enabled()
