@@ -33,15 +33,29 @@ MASK = -1e30
 FALLBACK_NUM_SMS = 132
 
 
-def num_sms() -> int:
-    """Streaming multiprocessors of the GPU the kernels are lowered for: the abstract
-    mesh's device when one is in context (lowering for a GPU this machine lacks), else
-    the default device's ``core_count``; ``FALLBACK_NUM_SMS`` when neither is a GPU.
-    Only steers launch heuristics, never results."""
+def target_device():
+    """The abstract mesh's device when one is in context: lowering for a device this
+    machine lacks (a CUDA lowering on a CPU, or XLA's deviceless compilation for a
+    GPU: jaxllm.runner.aot). None otherwise."""
     try:
-        dev = jax.sharding.get_abstract_mesh().abstract_device
+        return jax.sharding.get_abstract_mesh().abstract_device
     except AttributeError:       # no abstract mesh (older jax) or none in context
-        dev = None
+        return None
+
+
+def target_platform() -> str:
+    """The platform a trace is lowered for ("gpu", "cpu", ...): target_device()'s when
+    there is one, else jax's default backend. Code that picks a GPU-only path while
+    tracing asks this, not the default backend, so a lowering for a GPU picks it too."""
+    dev = target_device()
+    return dev.platform if dev is not None else jax.default_backend()
+
+
+def num_sms() -> int:
+    """Streaming multiprocessors of the GPU the kernels are lowered for: target_device()
+    when it is one, else the default device's ``core_count``; ``FALLBACK_NUM_SMS`` when
+    neither is a GPU. Only steers launch heuristics, never results."""
+    dev = target_device()
     if dev is not None and dev.platform == "gpu" and dev.num_cores:
         return int(dev.num_cores)
     dev = jax.devices()[0]

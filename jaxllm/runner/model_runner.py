@@ -78,7 +78,7 @@ class ModelRunner:
         self._leaves, treedef = packed_leaves.flatten(self.state)   # treedef or layout
         self._step_jit = StepJits(functools.partial(
             _forward, self.graphdef, treedef, self.spec, hidden_layers), self._leaves,
-            self._out_shardings())
+            self.out_shardings())
         self._sample = jax.jit(_sample_into, static_argnums=(2,), donate_argnums=(3,))
         self.store = self._open_store(treedef)
         # Warm-up programs run directly; loading holds the GIL on a CPU (executable_store).
@@ -98,14 +98,14 @@ class ModelRunner:
                   executable_store.signature(self._leaves), repr(self.plan),
                   f"block_size={self.block_size} kv_dtype={kv_dtype} max_model_len="
                   f"{self.max_model_len} step donates (1, 4), sampler (3,), out_shardings="
-                  f"{self._out_shardings()}"]
+                  f"{self.out_shardings()}"]
         static += [self._step_jit.describe(self.plan.token_buckets)]
         static += [f"returns hidden_layers={self.hidden_layers}"] * (
             self.hidden_layers is not None)
         return executable_store.ExecutableStore(self.config.compilation_cache_dir, self.mesh,
                                                 static)
 
-    def _out_shardings(self) -> tuple:
+    def out_shardings(self) -> tuple:
         """The step's: logits whole on every device (the sampler reads whole rows),
         the pool split by KV head, an EAGLE head's states whole."""
         out = (self._replicated, mesh_lib.kv_cache_sharding(self.mesh))
@@ -180,7 +180,7 @@ class ModelRunner:
                                           self.compilation.ready_now)
 
     # ------------------------------------------------------------ execution
-    def _step_args(self, arrays: dict, decode_only: bool, kv_caches=None) -> tuple:
+    def step_args(self, arrays: dict, decode_only: bool, kv_caches=None) -> tuple:
         """The step's arguments for host `arrays`, packed into one transfer. The
         warm-up lowers with these very arguments, so its programs are the ones called.
         `kv_caches`: another pool than the runner's (the KV sizing's abstract one)."""
@@ -195,7 +195,7 @@ class ModelRunner:
         """The step's logits (with prompt_targets: and its prompt logprobs); an EAGLE
         head's states, when the runner returns them, are left in `last_hidden`."""
         if prompt_targets is not None:
-            args = self._step_args(dict(arrays, prompt_targets=prompt_targets), decode_only)
+            args = self.step_args(dict(arrays, prompt_targets=prompt_targets), decode_only)
             step = self._step_jit(len(arrays["input_ids"]), prompt=True)
             logits, self.kv_caches, prompt, *hidden = step(*args)
             self.last_hidden = hidden[0] if hidden else None
@@ -219,7 +219,7 @@ class ModelRunner:
     def lower_step(self, arrays: dict, decode_only: bool):
         """The jitted step lowered for host `arrays` (what a call with them runs)."""
         return self._step_jit(len(arrays["input_ids"])).lower(
-            *self._step_args(arrays, decode_only))
+            *self.step_args(arrays, decode_only))
 
     def sample_step(self, logits, md, flags, bitmask=None) -> SamplerOutput:
         extra = () if bitmask is None else (bitmask,)
@@ -317,7 +317,7 @@ class ModelRunner:
         """One bucket's step, lowered with a real call's arguments (its store key without
         the weights); its inputs' copies run now, so a warm start compiles nothing."""
         arrays = dummy_arrays(t, s, self.max_blocks_per_seq)
-        args = self._step_args(arrays, decode_only, kv_caches)
+        args = self.step_args(arrays, decode_only, kv_caches)
         self._stager.warm_up(args[3])
         return Program(("step", t, s, decode_only), args[1:], self._step_jit(t), args)
 

@@ -15,6 +15,7 @@ from jaxllm.layers.quantization.linear import WEIGHT_ONLY_ROWS
 from jaxllm.runner.sampler import compute_logprobs, sample
 from jaxllm.runner.step_inputs import StepInputs
 from jaxllm.sampling_params import MAX_LOGPROBS
+from pallas_kernels.common import target_platform
 
 
 def forward(graphdef, treedef, spec, hidden_layers, leaves, kv_caches, token_buf,
@@ -119,7 +120,7 @@ def step_compiler_options(leaves, tokens: int) -> dict | None:
     compiles each in ~0.2 s and runs them at 1,000-1,120 TFLOP/s at 4,096 tokens.
     Smaller steps run the layers weight-only (linear.use_weight_only): 16-bit dots
     whose Triton GEMMs widen the narrow weight in registers."""
-    if jax.default_backend() != "gpu":
+    if target_platform() != "gpu":
         return None
     kinds = {_QUANTIZED.get(str(x.dtype)) for x in jax.tree.leaves(leaves)} - {None}
     if not kinds:

@@ -23,6 +23,7 @@ import numpy as np
 from flax import nnx
 
 from jaxllm.layers.quantization.schemes import FP8_MAX, INT8_MAX, ActScheme, LinearScheme
+from pallas_kernels.common import target_platform
 
 STORAGE = {"fp8": jnp.float8_e4m3fn, "int8": jnp.int8, "uint4": jnp.uint8, "uint8": jnp.uint8}
 # A floor under dynamic scales: an all-zero token row quantizes to zeros, not NaN.
@@ -31,7 +32,7 @@ _MIN_SCALE = 1e-12
 
 def native_dot() -> bool:
     """The quantized dot itself (GPU) or its f32 widening (CPU, no fp8 dots)."""
-    return jax.default_backend() != "cpu"
+    return target_platform() != "cpu"
 
 
 def quantize(x, dtype: str, scale):
@@ -176,7 +177,7 @@ INT4_KERNEL_ROWS = 64
 
 
 def on_gpu() -> bool:
-    return jax.default_backend() == "gpu"
+    return target_platform() == "gpu"
 
 
 def use_int4_kernel(scheme: LinearScheme, tokens: int, tp: int | None = None) -> bool:

@@ -1,0 +1,119 @@
+"""The kernels of one model step on an H200, counted on a machine without a GPU: the
+bare step compiled by XLA's deviceless ahead-of-time path (jaxllm.runner.aot) for the
+model cut to 2 and to 3 layers, so a layer's kernels and the step's fixed ones come
+apart (not 1 and 2: with one layer, work its layers share, like RoPE's cos/sin table,
+fuses into that layer); the whole model's count is fixed + layers x per layer. GEMM tilings are XLA's
+untuned defaults (the autotuner needs the device), so split-K choices, and the
+reductions they add, can differ from a device's compile.
+
+    pip install "jax[cuda13]==$(python -c 'import jax; print(jax.__version__)')"
+    python scripts/aot_step.py --shape decode:1:600 --shape decode:64:600
+    python scripts/aot_step.py --quantization fp8 --shape prefill:4:0:1024
+
+With $OUT set, writes each compiled module there (``aot_<tag>-L<layers>.hlo.txt``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")     # compile only: no GPU runtime
+sys.path.insert(0, os.path.dirname(__file__))
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHORT = {"__triton_nested_gemm_fusion": "gemm", "__triton_gemm": "gemm",
+         "__triton": "triton", "kLoop": "loop", "kInput": "reduce",
+         "__gpu$xla.gpu.triton": "pallas"}
+
+
+def short(kind: str) -> str:
+    """A kernel kind in a word: cuBLAS calls are "cublas", fusions by their emitter."""
+    return "cublas" if kind.startswith("__cublas") else SHORT.get(kind, kind)
+
+
+def compile_cut(args, layers: int, shapes: list) -> dict:
+    """Each shape's entry kernels for the model cut to `layers` layers."""
+    import jax
+    import step_profile
+    from step_hlo import cut_model
+
+    from jaxllm import LLM
+    from jaxllm.runner import aot
+    with open(args.target) as f:
+        mesh = aot.target_mesh(f.read())
+    llm = LLM(cut_model(args.model, layers), load_format="dummy", dtype="bfloat16",
+              max_model_len=2048, max_num_seqs=256, max_num_batched_tokens=8192,
+              enforce_eager=True, num_gpu_blocks_override=512,
+              quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
+    runner = llm.llm_engine.runner
+    out = {}
+    for spec in shapes:
+        label, batch, ctx, *q = spec.split(":")
+        arrays, decode_only = step_profile.step_arrays(runner, int(batch), int(ctx),
+                                                       int(q[0]) if q else 1)
+        text = aot.lower_step(runner, mesh, arrays, decode_only).compile().as_text()
+        if os.environ.get("OUT"):
+            with open(os.path.join(os.environ["OUT"], f"aot_{tag(args, spec)}-L{layers}"
+                                   ".hlo.txt"), "w") as f:
+                f.write(text)
+        out[spec] = aot.entry_kernels(text)
+    del llm
+    jax.clear_caches()
+    return out
+
+
+def tag(args, spec: str) -> str:
+    return spec.replace(":", "-") + (f"-{args.quantization}" if args.quantization else "") + (
+        f"-kv{args.kv_cache_dtype}" if args.kv_cache_dtype != "auto" else "")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=os.path.join(ROOT, "configs/models/llama-3.1-8b"))
+    ap.add_argument("--target", default=os.path.join(ROOT, "configs/gpu_targets/h200.txtpb"),
+                    help="the GPU's GpuTargetConfigProto (text)")
+    ap.add_argument("--shape", action="append", default=[],
+                    help="label:batch:ctx[:q_len], e.g. decode:1:600 or prefill:4:0:1024")
+    ap.add_argument("--quantization", default=None, help="e.g. fp8 (online, dummy weights)")
+    ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead")
+    args = ap.parse_args(argv)
+    shapes = args.shape or ["decode:1:600"]
+    with open(os.path.join(args.model, "config.json")) as f:
+        layers = json.load(f)["num_hidden_layers"]
+    two, three = compile_cut(args, 2, shapes), compile_cut(args, 3, shapes)
+    rows = {}
+    for spec in shapes:
+        a, b = two[spec], three[spec]
+        n = len(b) - len(a)
+        rows[tag(args, spec)] = dict(
+            kernels_2_layers=len(a), kernels_3_layers=len(b), per_layer=n,
+            fixed=len(a) - 2 * n, model_layers=layers, predicted=len(a) + n * (layers - 2),
+            layer_sequence=[short(k) for _, k in last_layer(a, b, n)])
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    print(f"{'step':<28} {'2 layers':>9} {'3 layers':>9} {'per layer':>10} {'fixed':>6} "
+          f"{'model':>6}  a layer's kernels")
+    for name, r in rows.items():
+        print(f"{name:<28} {r['kernels_2_layers']:>9} {r['kernels_3_layers']:>9} "
+              f"{r['per_layer']:>10} {r['fixed']:>6} {r['predicted']:>6}  "
+              + " ".join(r["layer_sequence"]))
+    return 0
+
+
+def last_layer(a: list, b: list, n: int) -> list:
+    """The 3-layer step's last layer: the n kernels before the tail it shares with the
+    2-layer step (where a layer ends as the tail does, the window starts mid-layer:
+    the same kernels, rotated)."""
+    s = 0
+    while s < len(a) and a[-1 - s][1] == b[-1 - s][1]:
+        s += 1
+    s = min(s, len(a) - n)
+    return b[len(b) - s - n:len(b) - s] if n > 0 else []
+
+
+if __name__ == "__main__":
+    sys.exit(main())
