@@ -35,14 +35,15 @@ the scales expanded along K at load) against each block's fp8 rows widened to f1
 for whether XLA takes x' into its GEMM's prologue (one scale per 128x128 block here).
 
 Kinds w8a16_fp8 / w8a16_int8: the layer's weight-only path (weight_only_matmul, what
-decode-sized steps run on a GPU: an fp8 weight widened to f16 with the bf16 input cast
-to f16, an int8 one widened to bf16; under the `default` variant XLA's Triton GEMM
+decode-sized steps run on a GPU: an fp8 weight widened to f16 under an f16 input, as
+the step's producer fusion writes it, an int8 one widened to bf16; under the `default` variant XLA's Triton GEMM
 reads the narrow weight in place). w8a16_fp8_bf16: the fp8 weight widened to bf16
 instead (the bf16-dot alternative), for the two side by side. w8a16_int8_f16: the
 int8 weight widened to f16 by its bits (u = q + 128 by an XOR; f16 0x6400 | u is 1024 +
 u; minus 1152 is q, exactly: integer ops and a packed f16 subtract, no int-to-float
-conversion per value); whether XLA's GEMM takes that into its prologue is what it
-measures.
+conversion per value). Compiled for the H200 on a CPU (jaxllm.runner.aot), XLA's
+GEMM does not take that into its prologue: a loop fusion writes the whole f16 weight
+first, so this kind is expected to lose.
 
 --copies C runs C matmuls of a row's kind in one program, each on its own input and
 weight, and reports the time per matmul: the device's time, where one call per matmul
@@ -66,8 +67,8 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from jaxllm.layers.quantization.linear import (  # noqa: E402
-    block_matmul, grouped_dequant_matmul, native_dot, quantize_per_token, quantized_matmul,
-    weight_only_matmul)
+    block_matmul, grouped_dequant_matmul, native_dot, on_gpu, quantize_per_token,
+    quantized_matmul, weight_only_matmul)
 from jaxllm.layers.quantization.schemes import ActScheme, LinearScheme  # noqa: E402
 from pallas_kernels import quant_matmul as qmm  # noqa: E402
 from pallas_kernels.common import to_f16  # noqa: E402
@@ -253,6 +254,11 @@ def case_args(kind, m, n, k, key, settings=None):
     scale = jnp.max(jnp.abs(w), axis=1) / (448.0 if dtype == "fp8" else 127.0)
     wq = w / scale[:, None]
     wq = jnp.round(wq) if dtype == "int8" else wq
+    if kind == "w8a16_fp8" and on_gpu():
+        # The step's producer fusion (RMSNorm, SiLU x up, attention's combine) writes
+        # this f16 input itself (scripts/aot_step.py): a bf16 x here would time a
+        # conversion kernel the step does not run.
+        x = to_f16(x)
     fn = (pallas_w8a8(dtype, settings or {}) if kind.startswith("pallas") else
           w8a16_bf16 if kind == "w8a16_fp8_bf16" else
           w8a16_int8_f16 if kind == "w8a16_int8_f16" else

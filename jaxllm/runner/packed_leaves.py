@@ -1,16 +1,19 @@
-"""The model step's parameters as fewer arguments: the small leaves that every device
-holds whole (norm weights, per-channel weight scales) concatenated into one flat
-buffer per dtype, and sliced back inside the step.
+"""The model step's parameters as fewer arguments: the norm weights, small and whole
+on every device, concatenated into one flat buffer per dtype and sliced back inside
+the step.
 
 Why: a step's launch costs host time per argument (jit's argument handling and PjRt's
 per-buffer work): on the H200 host a program of 360 small arguments launched in
-424-686 us against 37-60 us for one. The fp8 8B model's step takes ~390 arrays, ~190
-of them norm weights and scales of a few KB; packed, they are two. Inside the step a
-leaf is a static slice of its buffer, which XLA reads in place in the fusion that
-consumes it (the RMSNorm, the scale's epilogue).
+424-686 us against 37-60 us for one. An 8B Llama's step takes 65 norm weights of
+8 KB; packed, they are one. Inside the step a norm weight is a static slice of the
+buffer, read in place by its RMSNorm fusion: compiled for the H200 (scripts/aot_step.py),
+the bf16 and fp8 steps run the same kernels packed and unpacked, decode and prompt.
 
-Off unless JAXLLM_PACK_SMALL_LEAVES=1: the host saving and XLA's fusions of the slices
-are not yet measured on a GPU.
+Per-channel quantization scales stay whole: packed too, the H200 compile of the fp8
+model's W8A8 steps (larger than WEIGHT_ONLY_ROWS) fused their residual adds
+differently, with 2 more kernels a layer at 256 rows and 4 in a prompt step.
+
+On unless JAXLLM_PACK_SMALL_LEAVES=0.
 """
 from __future__ import annotations
 
@@ -20,18 +23,12 @@ import os
 import jax
 import jax.numpy as jnp
 
-# Leaves of at most this many elements may be packed (an 8B gate/up's per-channel
-# scales are 2 x 14336).
+# Leaves of at most this many elements may be packed.
 MAX_ELEMENTS = 1 << 16
-# Per-channel quantization parameters, read by XLA in the matmul's epilogue or the
-# input's quantization. Group and block scales (a shape other than the weight's
-# output dims) are not packed: the Pallas kernels take them as operands of their own,
-# and a slice there would be a copy.
-_PER_CHANNEL = ("weight_scale", "azp_adj", "input_scale")
 
 
 def enabled() -> bool:
-    value = os.environ.get("JAXLLM_PACK_SMALL_LEAVES", "0")
+    value = os.environ.get("JAXLLM_PACK_SMALL_LEAVES", "1")
     if value not in ("0", "1"):
         raise ValueError(f"JAXLLM_PACK_SMALL_LEAVES={value!r}: 0 or 1 expected")
     return value == "1"
@@ -46,21 +43,16 @@ def flatten(state, pack: bool | None = None):
     leaves = [x for _, x in with_path]
     names = [tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path[:-1])
              for path, _ in with_path]      # the path's last key is the Variable's value
-    by_name = dict(zip(names, leaves))
-    chosen = [_packable(n, x, by_name) for n, x in zip(names, leaves)]
+    chosen = [_packable(n, x) for n, x in zip(names, leaves)]
     layout = PackedLayout(treedef, leaves, chosen)
     return layout.pack(leaves), layout
 
 
-def _packable(name: tuple, x, by_name: dict) -> bool:
-    """Norm weights and per-channel scales, small and whole on every device."""
+def _packable(name: tuple, x) -> bool:
+    """Norm weights, small and whole on every device."""
     if x.size > MAX_ELEMENTS or not getattr(x.sharding, "is_fully_replicated", False):
         return False
-    if name[-1] == "weight":
-        return str(name[-2]).endswith("norm")
-    weight = by_name.get(name[:-1] + ("weight",))
-    return (name[-1] in _PER_CHANNEL and weight is not None
-            and tuple(weight.shape[:x.ndim]) == tuple(x.shape))
+    return name[-1] == "weight" and str(name[-2]).endswith("norm")
 
 
 class PackedLayout:

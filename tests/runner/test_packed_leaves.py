@@ -1,6 +1,6 @@
-"""The step's small replicated parameters packed into one buffer per dtype
-(runner/packed_leaves.py): the state comes back exactly inside a jit, and an engine
-with packing on generates the same greedy tokens with far fewer step arguments."""
+"""The step's norm weights packed into one buffer per dtype (runner/packed_leaves.py,
+on by default): the state comes back exactly inside a jit, and an engine with packing
+on generates the same greedy tokens with fewer step arguments."""
 from __future__ import annotations
 
 import jax
@@ -29,19 +29,19 @@ def _tiny_state(quantized: bool):
 
 
 @pytest.mark.parametrize("quantized", [False, True], ids=["bf16", "fp8"])
-def test_norms_and_scales_packed_and_back(quantized):
-    """Norm weights (2 a layer and the final one) and per-channel scales (4 a layer)
-    go into one buffer per dtype; embeddings and weights stay whole; the state comes
-    back exactly inside a jit."""
+def test_norms_packed_and_back(quantized):
+    """Norm weights (2 a layer and the final one) go into one buffer; embeddings,
+    weights and per-channel scales stay whole; the state comes back exactly inside a
+    jit."""
     state = _tiny_state(quantized)
     leaves, treedef = packed_leaves.flatten(state, pack=False)
     assert treedef == jax.tree.structure(state)
     (whole, buffers), layout = packed_leaves.flatten(state, pack=True)
-    norms, scales = 2 * 2 + 1, 4 * 2 * quantized
-    assert len(whole) == len(leaves) - norms - scales
-    assert [b.dtype for b in buffers] == [jnp.bfloat16] + [jnp.float32] * quantized
+    norms = 2 * 2 + 1
+    assert len(whole) == len(leaves) - norms
+    assert [b.dtype for b in buffers] == [jnp.bfloat16]
     assert buffers[0].size == norms * 64
-    assert all(x.size > 64 or x.dtype == jnp.float8_e4m3fn for x in whole)
+    assert sum(x.dtype == jnp.float32 for x in whole) == 4 * 2 * quantized   # the scales
     back = jax.jit(layout.unflatten)((whole, buffers))
     assert jax.tree.structure(back) == jax.tree.structure(state)
     for got, want in zip(jax.tree.leaves(back), leaves):
@@ -67,12 +67,13 @@ def test_engine_greedy_unchanged_with_fewer_arguments(tiny_model, monkeypatch, q
         counts.append(len(jax.tree.leaves(llm.llm_engine.runner._leaves)))
         del llm
     assert outs[0] == outs[1]
-    # 2 layers of 2 norms (and 4 scales) and the final norm: one f32 buffer
-    per_layer = 2 + 4 * (quantization is not None)
-    assert counts[1] == counts[0] - (per_layer * 2 + 1) + 1
+    # 2 layers of 2 norms and the final norm: one f32 buffer
+    assert counts[1] == counts[0] - (2 * 2 + 1) + 1
 
 
 def test_switch_takes_0_or_1(monkeypatch):
+    monkeypatch.delenv("JAXLLM_PACK_SMALL_LEAVES", raising=False)
+    assert packed_leaves.enabled()          # on by default
     for value, on in (("0", False), ("1", True)):
         monkeypatch.setenv("JAXLLM_PACK_SMALL_LEAVES", value)
         assert packed_leaves.enabled() is on
