@@ -34,9 +34,10 @@ FALLBACK_NUM_SMS = 132
 
 
 def target_device():
-    """The abstract mesh's device when one is in context: lowering for a device this
-    machine lacks (a CUDA lowering on a CPU, or XLA's deviceless compilation for a
-    GPU: jaxllm.runner.aot). None otherwise."""
+    """The abstract mesh's device whenever one is in context: lowering for a device this
+    machine lacks (a CUDA lowering on a CPU, or XLA's deviceless compilation for a GPU:
+    jaxllm.runner.aot), or a real mesh's own device (inside shard_map or set_mesh).
+    None when no abstract mesh names a device."""
     try:
         return jax.sharding.get_abstract_mesh().abstract_device
     except AttributeError:       # no abstract mesh (older jax) or none in context
@@ -48,7 +49,8 @@ def target_platform() -> str:
     there is one, else jax's default backend. Code that picks a GPU-only path while
     tracing asks this, not the default backend, so a lowering for a GPU picks it too."""
     dev = target_device()
-    return dev.platform if dev is not None else jax.default_backend()
+    platform = dev.platform if dev is not None else jax.default_backend()
+    return "gpu" if platform in ("cuda", "rocm") else platform
 
 
 def num_sms() -> int:
@@ -56,7 +58,7 @@ def num_sms() -> int:
     when it is one, else the default device's ``core_count``; ``FALLBACK_NUM_SMS`` when
     neither is a GPU. Only steers launch heuristics, never results."""
     dev = target_device()
-    if dev is not None and dev.platform == "gpu" and dev.num_cores:
+    if dev is not None and target_platform() == "gpu" and dev.num_cores:
         return int(dev.num_cores)
     dev = jax.devices()[0]
     count = getattr(dev, "core_count", None) if dev.platform == "gpu" else None

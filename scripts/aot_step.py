@@ -2,15 +2,20 @@
 bare step compiled by XLA's deviceless ahead-of-time path (jaxllm.runner.aot) for the
 model cut to 2 and to 3 layers, so a layer's kernels and the step's fixed ones come
 apart (not 1 and 2: with one layer, work its layers share, like RoPE's cos/sin table,
-fuses into that layer); the whole model's count is fixed + layers x per layer. GEMM tilings are XLA's
-untuned defaults (the autotuner needs the device), so split-K choices, and the
-reductions they add, can differ from a device's compile.
+fuses into that layer); the whole model's count is fixed + layers x per layer. GEMM
+tilings are XLA's untuned defaults (the autotuner needs the device), and cuBLASLt
+chooses its kernels (and any split-K reduction) on the device, so steps with cuBLAS
+GEMMs run more kernels there than counted here.
 
-    pip install "jax[cuda13]==$(python -c 'import jax; print(jax.__version__)')"
-    python scripts/aot_step.py --shape decode:1:600 --shape decode:64:600
-    python scripts/aot_step.py --quantization fp8 --shape prefill:4:0:1024
+    python3.11 -m venv /tmp/aot && /tmp/aot/bin/pip install -e . \
+        "jax[cuda13]==$(python -c 'import jax; print(jax.__version__)')"
+    /tmp/aot/bin/python scripts/aot_step.py --shape decode:1:600 --shape decode:64:600
+    /tmp/aot/bin/python scripts/aot_step.py --quantization fp8 --shape prefill:4:0:1024
+    /tmp/aot/bin/python scripts/aot_step.py --quant-matmul w8a16_fp8,w8a16_int8_f16
 
-With $OUT set, writes each compiled module there (``aot_<tag>-L<layers>.hlo.txt``).
+--quant-matmul compiles bench_quant_matmul.py's kinds instead (its gate/up shape at 16
+and 64 rows) and lists their kernels. With $OUT set, writes each compiled step there
+(``aot_<tag>-L<layers>.hlo.txt``).
 """
 from __future__ import annotations
 
@@ -64,6 +69,27 @@ def compile_cut(args, layers: int, shapes: list) -> dict:
     return out
 
 
+def quant_matmul_kernels(args) -> int:
+    """Each bench_quant_matmul kind's gate/up matmul (28672 x 4096) at 16 and 64 rows,
+    compiled for the target: its kernels in order."""
+    import jax
+    import bench_quant_matmul
+
+    from jaxllm.runner import aot
+    with open(args.target) as f:
+        mesh = aot.target_mesh(f.read())
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        for kind in args.quant_matmul.split(","):
+            for m in (16, 64):
+                fn, xs = bench_quant_matmul.case_args(kind, m, 28672, 4096,
+                                                      jax.random.PRNGKey(0))
+                shapes = aot.on_mesh(xs, mesh)
+                text = jax.jit(fn).lower(*shapes).compile().as_text()
+                print(f"{kind:>18} M={m:<3}", " ".join(short(k) for _, k in
+                                                       aot.entry_kernels(text)))
+    return 0
+
+
 def tag(args, spec: str) -> str:
     return spec.replace(":", "-") + (f"-{args.quantization}" if args.quantization else "") + (
         f"-kv{args.kv_cache_dtype}" if args.kv_cache_dtype != "auto" else "")
@@ -79,7 +105,11 @@ def main(argv=None) -> int:
     ap.add_argument("--quantization", default=None, help="e.g. fp8 (online, dummy weights)")
     ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead")
+    ap.add_argument("--quant-matmul", metavar="KINDS", default=None,
+                    help="bench_quant_matmul.py kinds to compile instead of a step")
     args = ap.parse_args(argv)
+    if args.quant_matmul:
+        return quant_matmul_kernels(args)
     shapes = args.shape or ["decode:1:600"]
     with open(os.path.join(args.model, "config.json")) as f:
         layers = json.load(f)["num_hidden_layers"]

@@ -36,14 +36,15 @@ for whether XLA takes x' into its GEMM's prologue (one scale per 128x128 block h
 
 Kinds w8a16_fp8 / w8a16_int8: the layer's weight-only path (weight_only_matmul, what
 decode-sized steps run on a GPU: an fp8 weight widened to f16 under an f16 input, as
-the step's producer fusion writes it, an int8 one widened to bf16; under the `default` variant XLA's Triton GEMM
-reads the narrow weight in place). w8a16_fp8_bf16: the fp8 weight widened to bf16
-instead (the bf16-dot alternative), for the two side by side. w8a16_int8_f16: the
-int8 weight widened to f16 by its bits (u = q + 128 by an XOR; f16 0x6400 | u is 1024 +
-u; minus 1152 is q, exactly: integer ops and a packed f16 subtract, no int-to-float
-conversion per value). Compiled for the H200 on a CPU (jaxllm.runner.aot), XLA's
-GEMM does not take that into its prologue: a loop fusion writes the whole f16 weight
-first, so this kind is expected to lose.
+the step's producer fusion writes it, an int8 one widened to bf16; under the `default`
+variant XLA's Triton GEMM reads the narrow weight in place). w8a16_fp8_bf16: the fp8
+weight widened to bf16 instead (the bf16-dot alternative), for the two side by side.
+w8a16_int8_f16: the int8 weight widened to f16 by its bits (u = q + 128 by an XOR;
+f16 0x6400 | u is 1024 + u; minus 1152 is q, exactly: integer ops and a packed f16
+subtract, no int-to-float conversion per value). Compiled for the H200 on a CPU
+(`scripts/aot_step.py --quant-matmul w8a16_int8_f16`), XLA's GEMM does not take that
+into its prologue: a loop fusion writes the whole f16 weight first, so this kind is
+expected to lose.
 
 --copies C runs C matmuls of a row's kind in one program, each on its own input and
 weight, and reports the time per matmul: the device's time, where one call per matmul

@@ -120,7 +120,7 @@ def _launch_parts(runner, arrays, decode_only, n=50) -> dict:
     med = lambda xs: round(1e6 * statistics.median(xs[5:]), 1)  # noqa: E731
     return {"pack": med(pack), "call_new_inputs": med(call_new),
             "call_same_inputs": med(call_same),
-            "args": len(jax.tree.leaves((runner.state, runner.kv_caches))) + 2}
+            "args": len(jax.tree.leaves((runner.params, runner.kv_caches))) + 2}
 
 
 def _args_launch_us() -> dict:

@@ -3,7 +3,7 @@ ahead-of-time compilation, given the GPU's target description (a
 ``stream_executor.GpuTargetConfigProto`` in text form, configs/gpu_targets/). It shows
 what XLA makes of a step for that GPU (its fusions, Triton GEMMs, Pallas calls: the
 kernels one launch runs) on a CPU-only machine. Needs jax's CUDA plugin installed
-(``pip install "jax[cuda13]"``); no driver, no device. XLA's autotuner cannot run
+(``pip install "jax[cuda13]==<jax's version>"``); no driver, no device. XLA's autotuner cannot run
 without the device, so GEMM tilings (and split-K) are XLA's defaults, not the tuned ones.
 
     mesh = aot.target_mesh(open("configs/gpu_targets/h200.txtpb").read())
@@ -20,12 +20,14 @@ import jax
 from jax.sharding import NamedSharding
 
 from jaxllm.parallel.mesh import TP
-from jaxllm.runner import packed_leaves
 from jaxllm.runner.step_fn import StepJits, forward
 
-# Entry-computation instructions that launch nothing (views, tuples, constants).
+# Entry-computation instructions that run no kernel (views, tuples, constants; an async
+# copy is a memcpy).
 NOT_KERNELS = frozenset({"parameter", "bitcast", "get-tuple-element", "tuple", "constant",
                          "copy-start", "copy-done", "after-all"})
+# Instructions whose kernels are in another computation: counted there, not here.
+NESTED = ("while", "conditional", "call", "async-start", "async-update", "async-done")
 
 
 def target_mesh(target_config: str) -> jax.sharding.Mesh:
@@ -50,16 +52,17 @@ def lower_step(runner, mesh, arrays: dict, decode_only: bool):
     if runner.mesh.size != 1:
         raise ValueError("deviceless lowering takes a one-device runner (tensor_parallel_size 1)")
     spec = dataclasses.replace(runner.spec, backend="pallas", interpret=False, mesh=mesh)
-    leaves, treedef = packed_leaves.flatten(runner.state)
-    args = _on_mesh(runner.step_args(arrays, decode_only), mesh)
-    step = functools.partial(forward, runner.graphdef, treedef, spec, runner.hidden_layers)
+    args = on_mesh(runner.step_args(arrays, decode_only), mesh)
+    step = functools.partial(forward, runner.graphdef, runner.param_layout, spec,
+                             runner.hidden_layers)
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-        jits = StepJits(step, leaves, _on_mesh(runner.out_shardings(), mesh))
+        jits = StepJits(step, runner.params, on_mesh(runner.out_shardings(), mesh))
         return jits(len(arrays["input_ids"])).lower(*args)
 
 
-def _on_mesh(tree, mesh):
-    """Arrays and shapes as shapes, shardings as shardings, each moved onto `mesh`."""
+def on_mesh(tree, mesh):
+    """Arrays and shapes as shapes, shardings as shardings, each moved onto `mesh` (an
+    array without a NamedSharding: whole on every device)."""
     def move(x):
         if isinstance(x, NamedSharding):
             return NamedSharding(mesh, x.spec)
@@ -74,16 +77,21 @@ def entry_kernels(hlo_text: str) -> list[tuple[str, str]]:
     """(instruction name, kind) of each kernel the compiled module's entry computation
     launches, in order: kind is the fusion's backend kind ("__triton_nested_gemm_fusion",
     "__triton", "kLoop", ...), a custom call's target ("__gpu$xla.gpu.triton" for a
-    Pallas kernel, "__cublas$lt$matmul$f8", ...), else the op."""
-    entry = hlo_text[hlo_text.index("\nENTRY"):]
+    Pallas kernel, "__cublas$lt$matmul$f8", ...), else the op. Raises ValueError on a
+    loop, conditional, call or async op, whose kernels this does not follow."""
     out = []
-    for line in entry.splitlines()[1:]:
+    for line in hlo_text[hlo_text.index("\nENTRY"):].splitlines()[2:]:
+        if line.strip() == "}":
+            break
         m = re.match(r"\s*(?:ROOT )?%(\S+) = .*? ([\w-]+)\(", line)
         if not m or m.group(2) in NOT_KERNELS:
             continue
         kind = m.group(2)
+        if kind in NESTED:
+            raise ValueError(f"{kind} in the entry computation ({m.group(1)}): its kernels "
+                             "are not counted")
         if kind == "fusion":
-            backend = re.search(r'"kind":"(\w+)"', line)
+            backend = re.search(r'"kind":"([^"]+)"', line)
             kind = backend.group(1) if backend else re.search(r"kind=(\w+)", line).group(1)
         elif kind == "custom-call":
             kind = re.search(r'custom_call_target="([^"]+)"', line).group(1)

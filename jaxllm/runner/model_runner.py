@@ -75,12 +75,12 @@ class ModelRunner:
         self._stager = InputStager()
         self._prev_rows: dict[str, int] = {}   # request id -> its row in _token_buf
         self._row_entries: dict[str, sampling_rows.RowEntry] = {}   # by request id
-        self._leaves, treedef = packed_leaves.flatten(self.state)   # treedef or layout
+        self.params, self.param_layout = packed_leaves.flatten(self.state)
         self._step_jit = StepJits(functools.partial(
-            _forward, self.graphdef, treedef, self.spec, hidden_layers), self._leaves,
+            _forward, self.graphdef, self.param_layout, self.spec, hidden_layers), self.params,
             self.out_shardings())
         self._sample = jax.jit(_sample_into, static_argnums=(2,), donate_argnums=(3,))
-        self.store = self._open_store(treedef)
+        self.store = self._open_store(self.param_layout)
         # Warm-up programs run directly; loading holds the GIL on a CPU (executable_store).
         cpu = mesh.local_devices[0].platform == "cpu"
         self.compilation = CompilationManager(self.store, min(os.cpu_count() or 1, 16),
@@ -95,7 +95,7 @@ class ModelRunner:
             return None
         kv_dtype = kv_cache.cache_dtype(self.config.cache, self.model_dtype)
         static = [repr(self.arch), repr(self.spec), str(treedef),
-                  executable_store.signature(self._leaves), repr(self.plan),
+                  executable_store.signature(self.params), repr(self.plan),
                   f"block_size={self.block_size} kv_dtype={kv_dtype} max_model_len="
                   f"{self.max_model_len} step donates (1, 4), sampler (3,), out_shardings="
                   f"{self.out_shardings()}"]
@@ -121,7 +121,7 @@ class ModelRunner:
         collects them; a pool of another size makes them stale). `draft_*`: a
         proposer's pool bytes per block and weights, left room for (plan_num_blocks)."""
         cache_cfg = self.config.cache
-        weights = kv_cache.device_bytes(self._leaves)
+        weights = kv_cache.device_bytes(self.params)
         limit = self.device_limit()
         dtype = kv_cache.cache_dtype(cache_cfg, self.model_dtype)
         sharding = mesh_lib.kv_cache_sharding(self.mesh, self.arch.num_kv_heads)
@@ -186,7 +186,7 @@ class ModelRunner:
         `kv_caches`: another pool than the runner's (the KV sizing's abstract one)."""
         inputs = StepInputs.pack(arrays, decode_only, self._replicated)   # (not staged)
         kv_caches = self.kv_caches if kv_caches is None else kv_caches
-        args = (self._leaves, kv_caches, self._token_buf, inputs)
+        args = (self.params, kv_caches, self._token_buf, inputs)
         if "prompt_targets" in arrays:      # (the prompt step's jit: a new logits array)
             return args + (None, jax.device_put(arrays["prompt_targets"], self._replicated))
         return args + (self.logits_bufs.spec(inputs.num_seqs),)
@@ -208,7 +208,7 @@ class ModelRunner:
     def launch_packed(self, inputs: StepInputs):
         """launch_step on inputs pack_inputs made (benchmarks time the two apart)."""
         key = ("step", inputs.num_tokens, inputs.num_seqs, inputs.decode_only)
-        args = (self._leaves, self.kv_caches, self._token_buf, inputs,
+        args = (self.params, self.kv_caches, self._token_buf, inputs,
                 self.logits_bufs.take(inputs.num_seqs))
         logits, self.kv_caches, *hidden = self._call(
             key, args, self._step_jit(inputs.num_tokens), args)

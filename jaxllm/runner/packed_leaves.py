@@ -11,7 +11,7 @@ the bf16 and fp8 steps run the same kernels packed and unpacked, decode and prom
 
 Per-channel quantization scales stay whole: packed too, the H200 compile of the fp8
 model's W8A8 steps (larger than WEIGHT_ONLY_ROWS) fused their residual adds
-differently, with 2 more kernels a layer at 256 rows and 4 in a prompt step.
+differently: 2 more kernels a layer at 256 rows, 4 more a layer in a prompt step.
 
 On unless JAXLLM_PACK_SMALL_LEAVES=0.
 """
@@ -52,7 +52,7 @@ def _packable(name: tuple, x) -> bool:
     """Norm weights, small and whole on every device."""
     if x.size > MAX_ELEMENTS or not getattr(x.sharding, "is_fully_replicated", False):
         return False
-    return name[-1] == "weight" and str(name[-2]).endswith("norm")
+    return len(name) > 1 and name[-1] == "weight" and str(name[-2]).endswith("norm")
 
 
 class PackedLayout:

@@ -136,7 +136,7 @@ class DraftModelProposer:
         its runner's logits buffers, one per sequence bucket (LogitsBuffers; ~260 MB
         at a 128k vocabulary), which the target's step peak does not hold."""
         from jaxllm.runner.kv_cache import device_bytes
-        return device_bytes(self.runner._leaves) + self.runner.logits_bufs.total_bytes()
+        return device_bytes(self.runner.params) + self.runner.logits_bufs.total_bytes()
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate the draft's pool: `num_blocks`, the target's block count."""

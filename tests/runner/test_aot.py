@@ -1,6 +1,8 @@
 """Compiling for a GPU this machine lacks (jaxllm.runner.aot): the code that picks a
 GPU path while tracing follows the platform being lowered for (an abstract GPU mesh in
 context), not the machine's; compiled modules' kernels are read from their text."""
+import os
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -11,10 +13,10 @@ from jaxllm.runner import aot, step_fn
 from pallas_kernels import common
 
 
-def gpu_mesh():
+def gpu_mesh(platform="gpu"):
     from jax.sharding import AbstractDevice, AbstractMesh, AxisType
     return AbstractMesh((1,), ("tp",), (AxisType.Explicit,),
-                        abstract_device=AbstractDevice("NVIDIA H200", 132, "gpu"))
+                        abstract_device=AbstractDevice("NVIDIA H200", 132, platform))
 
 
 def test_gpu_choices_follow_the_platform_lowered_for():
@@ -30,6 +32,8 @@ def test_gpu_choices_follow_the_platform_lowered_for():
         # What the layer then traces: the weight-only f16 dot of an fp8 decode step.
         assert linear.weight_only_dot_dtype(jnp.bfloat16, jnp.float8_e4m3fn) == jnp.float16
     assert linear.weight_only_dot_dtype(jnp.bfloat16, jnp.float8_e4m3fn) == jnp.bfloat16
+    with jax.sharding.use_abstract_mesh(gpu_mesh("cuda")):      # a device named by vendor
+        assert common.target_platform() == "gpu" and linear.on_gpu()
 
 
 # Lines of a module XLA compiled for the H200 without one (scripts/aot_step.py),
@@ -63,6 +67,13 @@ def test_entry_kernels_reads_the_entry_computation_in_order():
     assert aot.kernel_counts(HLO)["kLoop"] == 1
 
 
+def test_entry_kernels_refuses_what_it_cannot_follow():
+    loop = HLO.replace("  ROOT %tuple.5", "  %while.1 = (s32[]) while(%t), condition=%c, body=%b\n"
+                       "  ROOT %tuple.5")
+    with pytest.raises(ValueError, match="while in the entry computation"):
+        aot.entry_kernels(loop)
+
+
 def test_entry_kernels_of_a_compiled_cpu_module():
     text = jax.jit(lambda x: jnp.tanh(x @ x) + 1).lower(jnp.ones((8, 8))).compile().as_text()
     kernels = aot.entry_kernels(text)
@@ -73,7 +84,7 @@ def test_arguments_move_onto_the_target_mesh():
     a, b = Mesh(jax.devices()[:1], ("tp",)), Mesh(jax.devices()[-1:], ("tp",))
     x = jax.device_put(jnp.ones((4, 2)), NamedSharding(a, PartitionSpec("tp")))
     shape = jax.ShapeDtypeStruct((3,), jnp.int32, sharding=NamedSharding(a, PartitionSpec()))
-    moved = aot._on_mesh((x, [shape, 7], NamedSharding(a, PartitionSpec())), b)
+    moved = aot.on_mesh((x, [shape, 7], NamedSharding(a, PartitionSpec())), b)
     assert isinstance(moved[0], jax.ShapeDtypeStruct) and moved[0].shape == (4, 2)
     assert moved[0].sharding.mesh is b and moved[0].sharding.spec == PartitionSpec("tp")
     assert moved[1][0].sharding.mesh is b and moved[1][1] == 7
@@ -81,7 +92,8 @@ def test_arguments_move_onto_the_target_mesh():
 
 
 def test_target_mesh_is_the_described_gpu_or_an_error_naming_the_plugin():
-    with open("configs/gpu_targets/h200.txtpb") as f:
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "configs/gpu_targets/h200.txtpb")) as f:
         config = f.read()
     try:
         import jax_plugins.xla_cuda13  # noqa: F401

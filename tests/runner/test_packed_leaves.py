@@ -64,7 +64,7 @@ def test_engine_greedy_unchanged_with_fewer_arguments(tiny_model, monkeypatch, q
                            SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
                            use_tqdm=False)
         outs.append([o.outputs[0].token_ids for o in res])
-        counts.append(len(jax.tree.leaves(llm.llm_engine.runner._leaves)))
+        counts.append(len(jax.tree.leaves(llm.llm_engine.runner.params)))
         del llm
     assert outs[0] == outs[1]
     # 2 layers of 2 norms and the final norm: one f32 buffer

@@ -116,7 +116,7 @@ def test_draft_bytes_count_its_logits_buffers(self_draft):
     self_draft.propose([request("bytes", [1, 2, 3])], [2], [table(0)])
     self_draft.finish(["bytes"])
     buckets = r.logits_bufs.seq_buckets
-    weights = sum(x.nbytes for x in jax.tree.leaves(r._leaves))
+    weights = sum(x.nbytes for x in jax.tree.leaves(r.params))
     assert self_draft.weight_bytes() == weights + 4 * r.arch.vocab_size * sum(buckets)
     held = sum(b.nbytes for b in r.logits_bufs.buffers.values())
     assert 0 < held <= self_draft.weight_bytes() - weights

@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 
 from jaxllm.layers.quantization.schemes import FP8_MAX, INT8_MAX, ActScheme, LinearScheme
-from pallas_kernels.common import target_platform
+from pallas_kernels.common import target_platform, to_f16
 
 STORAGE = {"fp8": jnp.float8_e4m3fn, "int8": jnp.int8, "uint4": jnp.uint8, "uint8": jnp.uint8}
 # A floor under dynamic scales: an all-zero token row quantizes to zeros, not NaN.
@@ -281,7 +281,6 @@ def weight_only_matmul(x, wq, w_scale, nk: int):
             ((), ()))
     dt = weight_only_dot_dtype(x.dtype, wq.dtype)
     if dt == jnp.float16 and x.dtype != dt:
-        from pallas_kernels.common import to_f16     # Pallas imports, lazily
         x = to_f16(x)
     return jax.lax.dot_general(x, wq.astype(dt), dims,
                                preferred_element_type=jnp.float32) * w_scale
