@@ -7,7 +7,9 @@ per-buffer work): on the H200 host a program of 360 small arguments launched in
 424-686 us against 37-60 us for one. An 8B Llama's step takes 65 norm weights of
 8 KB; packed, they are one. Inside the step a norm weight is a static slice of the
 buffer, read in place by its RMSNorm fusion: compiled for the H200 (scripts/aot_step.py),
-the bf16 and fp8 steps run the same kernels packed and unpacked, decode and prompt.
+the bf16 and fp8 steps run the same kernels packed and unpacked, decode and prompt. On
+the H200 the fp8 engine's steps kept their kernels and device time, and the model's
+dispatch took 1.36 against 1.57 ms a step (docs/benchmarks.md, the FP8 table).
 
 Per-channel quantization scales stay whole: packed too, the H200 compile of the fp8
 model's W8A8 steps (larger than WEIGHT_ONLY_ROWS) fused their residual adds
