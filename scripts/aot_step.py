@@ -25,7 +25,8 @@ import os
 import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")     # compile only: no GPU runtime
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # jaxllm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHORT = {"__triton_nested_gemm_fusion": "gemm", "__triton_gemm": "gemm",

@@ -19,7 +19,8 @@ import shutil
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # jaxllm
 
 
 def cut_model(model_dir: str, layers: int) -> str:
