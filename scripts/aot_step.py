@@ -25,10 +25,10 @@ import os
 import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")     # compile only: no GPU runtime
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # jaxllm
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+sys.path.insert(0, ROOT)                          # jaxllm
 SHORT = {"__triton_nested_gemm_fusion": "gemm", "__triton_gemm": "gemm",
          "__triton": "triton", "kLoop": "loop", "kInput": "reduce",
          "__gpu$xla.gpu.triton": "pallas"}

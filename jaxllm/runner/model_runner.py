@@ -87,14 +87,14 @@ class ModelRunner:
                                               1 if cpu else 8, self._rebuild_program,
                                               jax.process_count() == 1)
 
-    def _open_store(self, treedef) -> executable_store.ExecutableStore | None:
+    def _open_store(self, layout) -> executable_store.ExecutableStore | None:
         """The executable store, when a compilation cache folder is configured and jax's
         cache is not capped at 0; not with several processes (unverified there)."""
         if (self.config.compilation_cache_dir is None or jax.process_count() > 1
                 or executable_store.max_bytes() == 0):
             return None
         kv_dtype = kv_cache.cache_dtype(self.config.cache, self.model_dtype)
-        static = [repr(self.arch), repr(self.spec), str(treedef),
+        static = [repr(self.arch), repr(self.spec), str(layout),
                   executable_store.signature(self.params), repr(self.plan),
                   f"block_size={self.block_size} kv_dtype={kv_dtype} max_model_len="
                   f"{self.max_model_len} step donates (1, 4), sampler (3,), out_shardings="

@@ -280,7 +280,7 @@ def weight_only_matmul(x, wq, w_scale, nk: int):
     dims = ((tuple(range(x.ndim - nk, x.ndim)), tuple(range(wq.ndim - nk, wq.ndim))),
             ((), ()))
     dt = weight_only_dot_dtype(x.dtype, wq.dtype)
-    if dt == jnp.float16 and x.dtype != dt:
+    if dt == jnp.float16:
         x = to_f16(x)
     return jax.lax.dot_general(x, wq.astype(dt), dims,
                                preferred_element_type=jnp.float32) * w_scale
