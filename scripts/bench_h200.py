@@ -228,8 +228,36 @@ def hf_sharegpt(model, vocab, n=128, batch=64):
             "sharegpt_requests": n}
 
 
+def bench_digest(llm, vocab, args):
+    """Greedy tokens and their logprobs for 8 fixed prompts: two runs of one commit
+    under different XLA options compare these (an option that reorders kernels must
+    not change a result), with `scripts/bench_h200.py --compare-digests A B`."""
+    from jaxllm import SamplingParams
+    prompts = random_prompts(np.random.default_rng(2), 8, 32, vocab)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=0)
+    _, outs = timed_generate(llm, prompts, params)
+    comps = [o.outputs[0] for o in outs]
+    return {"tokens": [list(c.token_ids) for c in comps],
+            "logprobs": [[round(next(iter(d.values())).logprob, 4) for d in c.logprobs]
+                         for c in comps]}
+
+
+def compare_digests(a_path, b_path) -> dict:
+    """Two saved runs' digests: tokens equal up to the first difference per prompt, and
+    the largest logprob difference over the tokens both runs share."""
+    a, b = (json.load(open(p))["digest"] for p in (a_path, b_path))
+    same, diff = [], 0.0
+    for ta, tb, la, lb in zip(a["tokens"], b["tokens"], a["logprobs"], b["logprobs"]):
+        n = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), len(ta))
+        same.append(n)
+        diff = max([diff] + [abs(x - y) for x, y in zip(la[:n + 1], lb[:n + 1])])
+    return {"equal_prefix": same, "tokens_each": len(a["tokens"][0]),
+            "max_logprob_diff": round(diff, 4)}
+
+
 WORKLOADS = {"latency": bench_latency, "decode-1": bench_decode1, "throughput": bench_throughput,
-             "sharegpt": bench_sharegpt, "long-context": bench_long_context}
+             "sharegpt": bench_sharegpt, "long-context": bench_long_context,
+             "digest": bench_digest}
 
 
 def main():
@@ -263,7 +291,12 @@ def main():
     ap.add_argument("--startup-only", action="store_true",
                     help="start the engine, print the start-up time and exit (run it after a "
                          "run with the same --compile-cache for a warm restart)")
+    ap.add_argument("--compare-digests", nargs=2, metavar=("A", "B"),
+                    help="compare the `digest` workload of two saved JSON results and exit")
     args = ap.parse_args()
+    if args.compare_digests:
+        print(json.dumps(compare_digests(*args.compare_digests)))
+        return
     args.workloads = args.workloads.split(",")
     if "long-context" in args.workloads:
         long_shape(args)    # a too-short --max-model-len fails before the start-up
