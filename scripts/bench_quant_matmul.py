@@ -77,7 +77,8 @@ from pallas_kernels.common import to_f16  # noqa: E402
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336)}
 VARIANTS = {"default": {}, "no_triton": {"xla_gpu_enable_triton_gemm": False},
-            "autotune0": {"xla_gpu_autotune_level": 0}}
+            "autotune0": {"xla_gpu_autotune_level": 0},
+            "exhaustive": {"xla_gpu_exhaustive_tiling_search": True}}
 STORE = {"fp8": jnp.float8_e4m3fn, "int8": jnp.int8}
 PALLAS_KINDS = ("pallas_fp8", "pallas_int8", "xla_w4", "pallas_w4", "xla_u4")
 W4_GROUP = 128
