@@ -250,7 +250,7 @@ def compare_digests(a_path, b_path) -> dict:
     for ta, tb, la, lb in zip(a["tokens"], b["tokens"], a["logprobs"], b["logprobs"]):
         n = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), len(ta))
         same.append(n)
-        diff = max([diff] + [abs(x - y) for x, y in zip(la[:n + 1], lb[:n + 1])])
+        diff = max([diff] + [abs(x - y) for x, y in zip(la[:n], lb[:n])])
     return {"equal_prefix": same, "tokens_each": len(a["tokens"][0]),
             "max_logprob_diff": round(diff, 4)}
 
