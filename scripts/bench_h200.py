@@ -242,10 +242,19 @@ def bench_digest(llm, vocab, args):
                          for c in comps]}
 
 
+def _saved_digest(path) -> dict:
+    with open(path) as f:
+        saved = json.load(f)
+    if "digest" not in saved:
+        raise SystemExit(f"--compare-digests: {path} has no `digest` result (run the "
+                         "`digest` workload to save one)")
+    return saved["digest"]
+
+
 def compare_digests(a_path, b_path) -> dict:
     """Two saved runs' digests: tokens equal up to the first difference per prompt, and
     the largest logprob difference over the tokens both runs share."""
-    a, b = (json.load(open(p))["digest"] for p in (a_path, b_path))
+    a, b = (_saved_digest(p) for p in (a_path, b_path))
     same, diff = [], 0.0
     for ta, tb, la, lb in zip(a["tokens"], b["tokens"], a["logprobs"], b["logprobs"]):
         n = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), len(ta))

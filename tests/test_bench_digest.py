@@ -1,0 +1,32 @@
+"""scripts/bench_h200.py's digest comparison: where two runs' greedy tokens part, the
+largest logprob difference before that, and a clear error for a result without one."""
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
+import bench_h200  # noqa: E402
+
+
+def _save(path, tokens, logprobs, key="digest"):
+    path.write_text(json.dumps({key: {"tokens": tokens, "logprobs": logprobs}}))
+    return str(path)
+
+
+def test_equal_prefix_and_logprob_difference_over_the_shared_tokens(tmp_path):
+    a = _save(tmp_path / "a.json", [[1, 2, 3], [4, 5, 6]], [[-0.1, -0.2, -0.3]] * 2)
+    b = _save(tmp_path / "b.json", [[1, 2, 9], [4, 5, 6]],
+              [[-0.1, -0.25, -3.0], [-0.1, -0.2, -0.35]])
+    got = bench_h200.compare_digests(a, b)
+    # Prompt 0 parts at token 2: its -3.0 there is not compared; prompt 1's 0.05 is.
+    assert got["equal_prefix"] == [2, 3] and got["tokens_each"] == 3
+    assert got["max_logprob_diff"] == pytest.approx(0.05)
+
+
+def test_a_result_without_a_digest_is_named(tmp_path):
+    a = _save(tmp_path / "a.json", [[1]], [[-0.1]])
+    b = _save(tmp_path / "latency.json", [[1]], [[-0.1]], key="latency")
+    with pytest.raises(SystemExit, match="latency.json has no `digest` result"):
+        bench_h200.compare_digests(a, b)
