@@ -1,7 +1,8 @@
 """The pallas attention backend: KV write, then the decode kernel for pure-decode steps;
 in other steps the ragged kernel for the sequences with several query tokens and the
 decode kernel for those with one (as vLLM's FlashInfer backend splits decodes from
-prefills). Called by ``jaxllm.layers.attention._pallas``.
+prefills). Called by ``jaxllm.layers.attention._pallas``. Pure decode steps pass the
+spec's ``decode_spread`` to the decode kernel (its ``spread``).
 
 Letter legend: T flat tokens, S sequences, Hq/Hkv query/KV heads, D head dim.
 """
@@ -22,7 +23,7 @@ def paged_attention(q, k, v, k_cache, v_cache, md, spec):
                                          interpret=spec.interpret)
     kw = _settings(spec)
     if md.decode_only:
-        out = _decode(q, k_cache, v_cache, md, kw)
+        out = _decode(q, k_cache, v_cache, md, kw, spec)
     else:
         out = mixed_step_attention(q, k_cache, v_cache, md.block_tables, md.seq_lens,
                                    md.query_start_loc, **kw)
@@ -66,7 +67,8 @@ def decode_qkv(qkv, k_cache, v_cache, md, spec, num_q_heads):
                                          head_offsets=(num_q_heads, num_q_heads + hkv),
                                          interpret=spec.interpret)
     out = paged_attention_decode(qkv, k_cache, v_cache, md.block_tables, md.seq_lens,
-                                 num_q_heads=num_q_heads, **_settings(spec))
+                                 num_q_heads=num_q_heads, spread=spec.decode_spread,
+                                 **_settings(spec))
     return out, k_cache, v_cache
 
 
@@ -76,13 +78,13 @@ def _settings(spec):
                 k_scale=spec.k_scale, v_scale=spec.v_scale, interpret=spec.interpret)
 
 
-def _decode(q, k_cache, v_cache, md, kw):
+def _decode(q, k_cache, v_cache, md, kw, spec):
     num_tokens, num_seqs = q.shape[0], md.seq_lens.shape[0]
     if num_tokens == num_seqs:
         # The runner's decode layout: token i is sequence i's query; padding rows have
         # seq_len 0 and come out as zeros.
         return paged_attention_decode(q, k_cache, v_cache, md.block_tables, md.seq_lens,
-                                      **kw)
+                                      spread=spec.decode_spread, **kw)
     # Any other layout: gather each sequence's query token, attend, scatter back.
     qsl = md.query_start_loc
     return _with_decode_rows(jnp.zeros_like(q), q, k_cache, v_cache, md.block_tables,

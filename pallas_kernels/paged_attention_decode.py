@@ -6,11 +6,20 @@ to a power of two >= 16 (the M of the dots), D head dim, Dp = D padded to a powe
 two, NB pool blocks, BS block size, B blocks per block-table row, NS k-splits,
 K = blocks_per_step * BS keys per inner step.
 
-Grid (S, Hkv, NS): a program takes all G query heads of one KV head of one sequence,
-so each KV block is read from HBM once. Split ``k`` of a sequence covers an equal share
-of *that sequence's* steps (computed in-kernel from ``seq_lens``), so a short sequence
-in a wide block table still spreads over all splits. Each split writes its normalized
-partial output and log2-sum-exp; the combine is a small fused XLA op.
+Grid (P, Hkv), P = S x NS programs per KV head: a program takes all G query heads of
+one KV head of one sequence, so each KV block is read from HBM once. Program p is split
+p % NS of sequence p // NS, and split ``k`` covers an equal share of *that sequence's*
+steps (computed in-kernel from ``seq_lens``), so a short sequence in a wide block table
+still spreads over all splits. Each program writes its normalized partial output and
+log2-sum-exp; the combine is a small fused XLA op.
+
+``spread``: the P programs are shared among the live sequences (seq_lens > 0) instead,
+each getting P // live of them (at most ``k_splits``, default SPREAD_SPLITS), in
+buckets small enough that the fixed split gives a row more than one program. A step
+padded to a sequence bucket (one live sequence in the runner's smallest bucket of 8:
+`decode-1`) then gives that sequence twice the programs, each over half the dependent
+steps of keys. The plan (spread_plan) is a function of ``seq_lens`` alone, computed
+once per model step (every layer's copy is the same HLO).
 """
 from __future__ import annotations
 
@@ -36,6 +45,11 @@ def ref_paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, *, s
     return ref_ragged_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, qsl,
                                       sm_scale=sm_scale, sliding_window=sliding_window,
                                       k_scale=k_scale, v_scale=v_scale)
+
+
+# The most splits ``spread`` gives a row unless k_splits says: the combine's slots. Up to
+# 8 XLA keeps combine_splits one fusion; 16 and 32 compile to two for the H200.
+SPREAD_SPLITS = 8
 
 
 def default_k_splits(num_seqs, num_kv_heads, max_steps):
@@ -81,13 +95,14 @@ def default_settings(dp: int, bs: int, kv_itemsize: int) -> tuple[int, int]:
 
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "sliding_window", "k_scale", "v_scale", "num_q_heads", "blocks_per_step",
-    "k_splits", "num_warps", "num_stages", "per_block", "dot_dtype", "interpret"))
+    "k_splits", "num_warps", "num_stages", "per_block", "dot_dtype", "spread", "interpret"))
 def paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, *, sm_scale,
                            sliding_window=None, k_scale=1.0, v_scale=1.0, num_q_heads=None,
                            blocks_per_step=None, k_splits=None, num_warps=4, num_stages=None,
-                           per_block=False, dot_dtype=None, interpret=False):
+                           per_block=False, dot_dtype=None, spread=False, interpret=False):
     """Same contract as ``ref_paged_attention_decode``; the rest are kernel settings
-    (``per_block``: common.tile_slots; ``dot_dtype``: default_dot_dtype).
+    (``per_block``: common.tile_slots; ``dot_dtype``: default_dot_dtype; ``spread``:
+    the module docstring, with ``k_splits`` the most splits a sequence gets).
     With ``num_q_heads`` the kernel reads the query rows in place (no slice copy)."""
     num_seqs, q_stride, d = q.shape
     hq = num_q_heads or q_stride
@@ -100,7 +115,16 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, *, sm_sc
     blocks_per_step, num_stages = blocks_per_step or fit[0], num_stages or fit[1]
     tile = blocks_per_step * bs
     max_steps = common.cdiv(block_tables.shape[1] * bs, tile)
-    ns = k_splits or default_k_splits(num_seqs, hkv, max_steps)
+    ns = default_k_splits(num_seqs, hkv, max_steps) if spread or not k_splits else k_splits
+    # A bucket that fills the card with one split per row gains nothing from sharing
+    # (its live rows are most of it).
+    spread = spread and ns > 1
+    # Partial outputs sit in slots [split, row]. Spread: up to `slots` splits a live
+    # row, S x ns programs' worth of work, and S x slots programs, so that the ones
+    # left over write every unused slot empty and the combine needs no mask.
+    slots = max(ns, min(k_splits or SPREAD_SPLITS, max_steps)) if spread else ns
+    num_programs = num_seqs * slots
+    plan = spread_plan(seq_lens, num_seqs * ns, slots) if spread else None
     dot_dtype = jnp.dtype(default_dot_dtype(q.dtype, k_cache.dtype) if dot_dtype is None
                           else dot_dtype)
     # A query cast for the dots takes sm_scale * log2(e) along (see default_dot_dtype).
@@ -108,26 +132,63 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, *, sm_sc
     kernel = functools.partial(
         _decode_kernel, hq=hq, q_stride=q_stride, g=g, gp=gp, d=d, dp=dp, bs=bs, tile=tile,
         num_splits=ns, window=sliding_window, v_scale=v_scale, per_block=per_block,
-        dot_dtype=dot_dtype, q_scale=q_scale,
+        dot_dtype=dot_dtype, q_scale=q_scale, spread=spread,
         scale2=k_scale * (1.0 if q_scale else sm_scale * common.LOG2E))
     part_dtype = jnp.float32 if ns > 1 else q.dtype
-    pool_spec = pl.BlockSpec((None, nb * bs, d), lambda s, h, k: (h, 0, 0))
-    full = lambda x: pl.BlockSpec(x.shape, lambda s, h, k: (0,) * x.ndim)  # noqa: E731
+    pool_spec = pl.BlockSpec((None, nb * bs, d), lambda p, h: (h, 0, 0))
+    full = lambda x: pl.BlockSpec(x.shape, lambda p, h: (0,) * x.ndim)  # noqa: E731
     q2 = q.reshape(num_seqs * q_stride, d)
+    # The plan's place is taken by seq_lens when there is none (never read then).
+    plan_arg = seq_lens if plan is None else plan
     o, lse = common.pallas_call(
         kernel,
-        grid=(num_seqs, hkv, ns),
-        in_specs=[full(block_tables), full(seq_lens), full(q2), pool_spec, pool_spec],
-        out_specs=[pl.BlockSpec((ns, num_seqs * hq, d), lambda s, h, k: (0, 0, 0)),
-                   pl.BlockSpec((ns, num_seqs * hq), lambda s, h, k: (0, 0))],
-        out_shape=[jax.ShapeDtypeStruct((ns, num_seqs * hq, d), part_dtype),
-                   jax.ShapeDtypeStruct((ns, num_seqs * hq), jnp.float32)],
+        grid=(num_programs, hkv),
+        in_specs=[full(block_tables), full(seq_lens), full(plan_arg), full(q2), pool_spec,
+                  pool_spec],
+        out_specs=[pl.BlockSpec((slots, num_seqs * hq, d), lambda p, h: (0, 0, 0)),
+                   pl.BlockSpec((slots, num_seqs * hq), lambda p, h: (0, 0))],
+        out_shape=[jax.ShapeDtypeStruct((slots, num_seqs * hq, d), part_dtype),
+                   jax.ShapeDtypeStruct((slots, num_seqs * hq), jnp.float32)],
         num_warps=num_warps, num_stages=num_stages, interpret=interpret,
         name="paged_attention_decode",
-    )(block_tables, seq_lens, q2, k_cache.reshape(hkv, nb * bs, d),
+    )(block_tables, seq_lens, plan_arg, q2, k_cache.reshape(hkv, nb * bs, d),
       v_cache.reshape(hkv, nb * bs, d))
-    out = o[0] if ns == 1 else combine_splits(o, lse)
+    out = o[0] if slots == 1 else combine_splits(o, lse)
     return out.reshape(num_seqs, hq, d).astype(q.dtype)
+
+
+def spread_plan(seq_lens, work: int, slots: int):
+    """The ``spread`` assignment of S x slots programs: ``k`` = min(work // live, slots)
+    splits per live row, the r-th live row (in row order) taking programs r*k .. r*k +
+    k - 1; each program after those writes one slot that no split fills (splits k ..
+    slots - 1 of a live row, every slot of a dead one) as empty.
+
+    Returns plan i32[4, S x slots]: each program's row, split (its slot), kv length (0:
+    write the slot empty) and k. The length is in the plan so that a program's KV
+    loads wait on two loads (plan, block table), as with the fixed split (seq_lens,
+    block table)."""
+    num_seqs = seq_lens.shape[0]
+    rows = jnp.arange(num_seqs, dtype=jnp.int32)
+    live = seq_lens > 0
+    nlive = live.sum(dtype=jnp.int32)
+    k = jnp.clip(work // jnp.maximum(nlive, 1), 1, slots).astype(jnp.int32)
+    p = jnp.arange(num_seqs * slots, dtype=jnp.int32)
+    # Working programs: live row of rank p // k, split p % k.
+    rank = jnp.cumsum(live, dtype=jnp.int32) - 1
+    owner = live[None, :] & (rank[None, :] == (p // k)[:, None])          # [P, S]
+    work_row = (owner * rows[None, :]).sum(axis=1, dtype=jnp.int32)
+    # The others: the m-th unused slot, rows in order, each row's unused splits in order.
+    unused = jnp.where(live, slots - k, slots)                            # [S]
+    end = jnp.cumsum(unused, dtype=jnp.int32)
+    m = p - nlive * k
+    fill_row = jnp.minimum((end[None, :] <= m[:, None]).sum(axis=1, dtype=jnp.int32),
+                           num_seqs - 1)
+    fill_split = m - (end - unused)[fill_row] + jnp.where(live[fill_row], k, 0)
+    working = p < nlive * k
+    return jnp.stack([jnp.where(working, work_row, fill_row),
+                      jnp.where(working, p % k, fill_split),
+                      jnp.where(working, seq_lens[work_row], 0),
+                      jnp.broadcast_to(k, p.shape)]).astype(jnp.int32)
 
 
 def combine_splits(o, lse):
@@ -151,14 +212,18 @@ def combine_splits(o, lse):
     return num / jnp.where(den == 0.0, 1.0, den)[:, None]
 
 
-def _decode_kernel(bt_ref, lens_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, hq, q_stride, g,
-                   gp, d, dp, bs, tile, num_splits, window, scale2, v_scale, per_block,
-                   dot_dtype, q_scale):
-    s, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    kvlen = lens_ref[s]
+def _decode_kernel(bt_ref, lens_ref, plan_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, hq,
+                   q_stride, g, gp, d, dp, bs, tile, num_splits, window, scale2, v_scale,
+                   per_block, dot_dtype, q_scale, spread):
+    p, h = pl.program_id(0), pl.program_id(1)
     head = h * g + jnp.minimum(jnp.arange(gp), g - 1)
-    rows = s * hq + head
     row_ok = jnp.arange(gp) < g
+    if spread:
+        s, split, kvlen, num_splits = (plan_ref[i, p] for i in range(4))
+    else:
+        s, split = lax.div(p, num_splits), lax.rem(p, num_splits)
+        kvlen = lens_ref[s]
+    rows = s * hq + head
     q = common.load_rows(q_ref, s * q_stride + head, d, dp, row_ok)
     if q_scale is not None:
         q = (q.astype(jnp.float32) * q_scale).astype(dot_dtype)

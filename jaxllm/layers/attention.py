@@ -6,6 +6,7 @@ and KV heads, D head dim, NB pool blocks, BS block size.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 import jax
@@ -48,6 +49,17 @@ class AttentionSpec:
     # Tensor parallelism: attention runs per shard over this mesh's `tp` axis (None or
     # a one-device mesh: unsharded). A Mesh is hashable, so the spec stays static.
     mesh: Mesh | None = None
+    # Pure decode steps share the decode kernel's programs among the live sequences
+    # (pallas_kernels.paged_attention_decode's ``spread``). Off unless
+    # JAXLLM_DECODE_SPREAD=1 until the H200 measures it against the fixed split.
+    decode_spread: bool = dataclasses.field(default_factory=lambda: decode_spread_enabled())
+
+
+def decode_spread_enabled() -> bool:
+    value = os.environ.get("JAXLLM_DECODE_SPREAD", "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"JAXLLM_DECODE_SPREAD={value!r}: 0 or 1 expected")
+    return value == "1"
 
 
 def paged_attention(q, k, v, k_cache, v_cache, md: AttentionMetadata, spec: AttentionSpec):

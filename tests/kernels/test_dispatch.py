@@ -1,6 +1,7 @@
 """The pallas backend through the attention seam, against the reference backend."""
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -66,3 +67,44 @@ def test_fused_qkv_matches_separate_q_k_v(backend, num_tokens):
     got = run(lambda x, kc, vc: paged_attention_qkv(x, kc, vc, md, spec, 8), qkv, *caches)
     assert_close(got[0], want[0])
     assert same_bits(got[1], want[1]) and same_bits(got[2], want[2])
+
+
+def _decode_step_fn(spec, md, fused):
+    """(fn, args builder): the pure-decode attention path, q/k/v apart or fused."""
+    from jaxllm.layers.attention import paged_attention_qkv
+    if fused:
+        return (lambda qkv, kc, vc: paged_attention_qkv(qkv, kc, vc, md, spec, 8),
+                lambda q, k, v, kc, vc: (jnp.concatenate([q, k, v], axis=1), kc, vc))
+    return lambda *a: paged_attention(*a, md, spec), lambda *a: a
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_decode_spread_spec_matches_reference(fused):
+    """AttentionSpec(decode_spread=True): both pure-decode paths (q/k/v apart and fused)
+    build the plan, give the reference's output and write the same pool."""
+    # Tables 39 blocks wide: the fixed split gives each row 5 programs, so spread is on.
+    c = make_case(2, q_lens=[1, 1] + [0] * 6, kv_lens=[75, 140] + [0] * 6, hq=8, hkv=2, d=64,
+                  bs=16, extra_cols=30)
+    q, k, v, md = _step(c, True, num_tokens=8)
+    caches = (c.k_cache, c.v_cache)
+    want = paged_attention(q, k, v, *caches, md, AttentionSpec(sm_scale=0.3))
+    for spread in (False, True):
+        spec = AttentionSpec(sm_scale=0.3, backend="pallas", interpret=True,
+                             decode_spread=spread)
+        fn, make_args = _decode_step_fn(spec, md, fused)
+        args = make_args(q, k, v, *caches)
+        # spread_plan's cumsum over the live rows is traced only when asked for.
+        assert ("cumsum" in str(jax.make_jaxpr(fn)(*args))) == spread
+    got = run(fn, *args)
+    assert_close(got[0], want[0])
+    assert same_bits(got[1], want[1]) and same_bits(got[2], want[2])
+
+
+def test_decode_spread_switch(monkeypatch):
+    monkeypatch.delenv("JAXLLM_DECODE_SPREAD", raising=False)
+    assert AttentionSpec(sm_scale=1.0).decode_spread is False
+    monkeypatch.setenv("JAXLLM_DECODE_SPREAD", "1")
+    assert AttentionSpec(sm_scale=1.0).decode_spread is True
+    monkeypatch.setenv("JAXLLM_DECODE_SPREAD", "yes")
+    with pytest.raises(ValueError, match="JAXLLM_DECODE_SPREAD='yes': 0 or 1 expected"):
+        AttentionSpec(sm_scale=1.0)

@@ -42,9 +42,17 @@ def test_decode_lowers(cfg):
     assert "triton" in lower_for_cuda(fn, *args)
 
 
+def test_spread_decode_lowers():
+    """Programs shared among the live rows of a bucket of 8 (the plan read in-kernel)."""
+    args = _shapes(8, 8, 32, 8, 128, 16, BF16, width=128)[:5]
+    fn = functools.partial(paged_attention_decode, sm_scale=0.1, sliding_window=4096,
+                           spread=True)
+    assert "triton" in lower_for_cuda(fn, *args)
+
+
 @pytest.mark.parametrize("settings", [dict(blocks_per_step=8, per_block=True),
                                       dict(blocks_per_step=16, num_stages=3),
-                                      dict(dot_dtype=BF16)], ids=str)
+                                      dict(dot_dtype=BF16), dict(spread=True)], ids=str)
 def test_fp8_decode_settings_lower(settings):
     """The fp8 KV settings the kernel sweep tries (f16 dots unless dot_dtype says)."""
     args = _shapes(64, 64, 32, 8, 128, 16, FP8)[:5]

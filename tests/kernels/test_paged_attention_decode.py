@@ -3,13 +3,15 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from kernel_cases import FP8, assert_close, make_case, run
 from pallas_kernels.paged_attention_decode import (combine_splits, default_dot_dtype,
                                                    paged_attention_decode,
-                                                   ref_paged_attention_decode)
+                                                   ref_paged_attention_decode, spread_plan)
 
 # Context lengths from 1 token to several blocks, partial last blocks, a padding row.
 KV_LENS = [1, 16, 37, 100, 0, 130]
@@ -107,3 +109,74 @@ def test_f16_dots_keep_queries_past_the_f16_range():
     out = run(functools.partial(paged_attention_decode, interpret=True, k_splits=2, **kw),
               *args)
     assert_close(out, ref_paged_attention_decode(*args, **kw), rtol=2e-2)
+
+
+# Live rows anywhere in the bucket; the row of length 0 and the rows past the live ones
+# are padding.
+SPREAD_LENS = {
+    "one_live": [0, 0, 150, 0, 0, 0, 0, 0],
+    "two_live": [70, 0, 0, 0, 0, 0, 0, 200],
+    "all_live": [1, 16, 37, 100, 130, 64, 65, 5],
+    "none_live": [0] * 8,
+}
+
+
+@pytest.mark.parametrize("name", list(SPREAD_LENS))
+def test_spread_matches_reference(name):
+    lens = SPREAD_LENS[name]
+    c = make_case(7, q_lens=[1] * len(lens), kv_lens=lens, hq=8, hkv=2, d=64, bs=16)
+    kw = dict(sm_scale=0.3)
+    want = ref_paged_attention_decode(*_args(c), **kw)
+    for settings in (dict(), dict(k_splits=8, blocks_per_step=1)):
+        out = run(functools.partial(paged_attention_decode, interpret=True, spread=True,
+                                    **kw, **settings), *_args(c))
+        assert_close(out, want)
+        assert all((out[i] == 0).all() for i, n in enumerate(lens) if n == 0)
+
+
+def test_spread_with_window_fp8_and_fused_queries():
+    lens = [0, 90, 0, 0]
+    c = make_case(8, q_lens=[1] * 4, kv_lens=lens, hq=8, hkv=2, d=64, bs=16,
+                  dtype=jnp.bfloat16, kv_dtype=FP8, scale=0.5)
+    q, *rest = _args(c)
+    fused = jnp.concatenate([q, jnp.full((4, 4, 64), jnp.nan, q.dtype)], axis=1)
+    kw = dict(sm_scale=0.3, k_scale=0.5, v_scale=0.5, sliding_window=40)
+    want = ref_paged_attention_decode(q, *rest, **kw)
+    out = run(functools.partial(paged_attention_decode, interpret=True, spread=True,
+                                num_q_heads=8, blocks_per_step=1, **kw), fused, *rest)
+    assert_close(out, want, rtol=2e-2)
+
+
+def test_spread_plan_shares_the_programs_among_live_rows():
+    lens = jnp.array([0, 5, 0, 9], jnp.int32)
+    row, split, length, ks = (x.tolist() for x in spread_plan(lens, work=16, slots=8))
+    assert ks == [8] * 32                        # 16 programs of work over 2 live rows
+    assert row[:16] == [1] * 8 + [3] * 8 and split[:16] == list(range(8)) * 2
+    assert length == [5] * 8 + [9] * 8 + [0] * 16
+    assert row[16:] == [0] * 8 + [2] * 8 and split[16:] == list(range(8)) * 2   # dead rows
+    row, split, length, ks = (x.tolist() for x in spread_plan(lens, work=16, slots=4))
+    assert ks == [4] * 16 and length == [5] * 4 + [9] * 4 + [0] * 8     # capped at 4
+    row, split, length, ks = (x.tolist() for x in spread_plan(jnp.array([3, 4]), 4, 8))
+    assert ks == [2] * 16                        # all live: the fixed split's 2 each
+    assert row[4:] == [0] * 6 + [1] * 6 and split[4:] == list(range(2, 8)) * 2
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_spread_plan_writes_every_slot_once(seed):
+    rng = np.random.default_rng(seed)
+    lens = jnp.asarray(rng.integers(0, 3, 8) * rng.integers(1, 100, 8), jnp.int32)
+    for work, slots in ((32, 8), (8, 8), (16, 4)):
+        row, split, length, _ = np.asarray(spread_plan(lens, work, slots))
+        assert sorted(zip(row.tolist(), split.tolist())) == [
+            (r, j) for r in range(8) for j in range(slots)]
+        assert ((length > 0) <= (np.asarray(lens)[row] > 0)).all()
+
+
+def test_spread_is_off_where_each_row_has_one_program():
+    """spread builds its plan where the fixed split gives a row several programs, and
+    keeps the fixed launch (no plan, no gathering combine) where it gives one."""
+    fn = functools.partial(paged_attention_decode, sm_scale=0.3, spread=True)
+    for rows, want in ((8, True), (128, False)):     # 2 KV heads: 5 / 1 splits a row
+        c = make_case(9, q_lens=[1] * rows, kv_lens=[30] + [0] * (rows - 1), hq=8, hkv=2,
+                      d=64, bs=16, extra_cols=40)
+        assert ("cumsum" in str(jax.make_jaxpr(fn)(*_args(c)))) == want

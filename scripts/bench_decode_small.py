@@ -1,0 +1,171 @@
+"""Decode attention at small batches, in device time: the decode kernel (and its split
+combine) chained over a model's layers in one program, as in a decode step, so that a
+call's time is the device's and not one dispatch per ~5 us kernel. Layer l + 1's query is
+layer l's output (same shape), so the layers run in order with no other kernel between
+them; each layer reads its own KV pool, so no layer finds the last one's KV in L2.
+
+    python3 scripts/bench_decode_small.py [--cases S:L:CTX,...] [--settings JSON]
+        [--kv-dtype fp8] [--layers 32] [--width 128] [--time-limit 240]
+
+A case S:L:CTX is a bucket of S rows of which the first L are live, each with CTX
+tokens of context (the runner pads a decode step to its sequence buckets, the smallest
+8: `decode-1` is 8:1:CTX). Shape: Llama-3.1-8B (32 query / 8 KV heads, D 128), block
+16, block tables --width blocks wide. Settings: a JSON list of the kernel's keyword
+arguments (spread, k_splits, blocks_per_step, num_stages, num_warps, per_block); {} is
+the defaults. Before timing, each setting's first layer is checked against the jnp
+reference on the same device. Prints us per layer for each setting x case (the best
+of each case starred); with $OUT set, writes bench_decode_small.json there.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from pallas_kernels.paged_attention_decode import (  # noqa: E402
+    paged_attention_decode, ref_paged_attention_decode)
+
+HQ, HKV, D, BS = 32, 8, 128, 16
+SM_SCALE = D ** -0.5
+CASES = "8:1:128,8:1:600,8:1:2048,8:8:160,8:8:600,16:16:600,64:64:600"
+SETTINGS = [{}, {"spread": True}, {"k_splits": 8}, {"k_splits": 16}, {"blocks_per_step": 8},
+            {"blocks_per_step": 16, "num_stages": 1}, {"spread": True, "blocks_per_step": 2},
+            {"spread": True, "blocks_per_step": 8}, {"num_warps": 2}]
+
+
+def parse_case(text: str) -> tuple[int, int, int]:
+    try:
+        s, live, ctx = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise SystemExit(f"--cases: {text!r} is not S:L:CTX (three integers)") from None
+    if not 0 < live <= s or ctx < 1:
+        raise SystemExit(f"--cases: {text!r} needs 0 < L <= S and CTX >= 1")
+    return s, live, ctx
+
+
+def make_inputs(s, live, ctx, layers, width, kv_dtype, seed=0):
+    """Per layer its own pool and query; one block table and seq_lens for all."""
+    if -(-ctx // BS) > width:
+        raise SystemExit(f"context {ctx} needs more than --width {width} blocks")
+    rng = np.random.default_rng(seed)
+    nb = 1 + s * width
+    tables = (1 + rng.permutation(s * width)).reshape(s, width).astype(np.int32)
+    lens = np.zeros(s, np.int32)
+    lens[:live] = ctx
+    keys = jax.random.split(jax.random.key(seed), 3 * layers)
+
+    def pool(key):
+        return jax.random.normal(key, (HKV, nb, BS, D), jnp.bfloat16).astype(kv_dtype)
+    ks = [pool(keys[3 * i]) for i in range(layers)]
+    vs = [pool(keys[3 * i + 1]) for i in range(layers)]
+    q = jax.random.normal(keys[2], (s, HQ, D), jnp.bfloat16)
+    return q, ks, vs, jnp.asarray(tables), jnp.asarray(lens)
+
+
+def chained(settings, q, ks, vs, tables, lens):
+    for k, v in zip(ks, vs):
+        q = paged_attention_decode(q, k, v, tables, lens, sm_scale=SM_SCALE, **settings)
+    return q
+
+
+def time_per_call(fn, *args, budget_s=0.4, repeats=7) -> float:
+    """Median seconds per call over `repeats` rounds of n back-to-back calls."""
+    jax.block_until_ready(fn(*args))
+    t = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    n = int(min(200, max(3, budget_s / repeats / max(time.perf_counter() - t, 1e-6))))
+    out = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for _ in range(n):
+            r = fn(*args)
+        jax.block_until_ready(r)
+        out.append((time.perf_counter() - t) / n)
+    return statistics.median(out)
+
+
+def check(settings, q, k, v, tables, lens) -> float:
+    """Largest |kernel - reference| over max |reference| on one layer."""
+    got = jax.jit(functools.partial(paged_attention_decode, sm_scale=SM_SCALE, **settings))(
+        q, k, v, tables, lens)
+    want = ref_paged_attention_decode(q, k, v, tables, lens, sm_scale=SM_SCALE)
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", default=CASES)
+    ap.add_argument("--settings", default=None, help="JSON list of kernel settings")
+    ap.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16")
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--width", type=int, default=128, help="block-table width in blocks")
+    ap.add_argument("--time-limit", type=float, default=240.0,
+                    help="seconds after which the remaining rows are skipped")
+    args = ap.parse_args(argv)
+    cases = [parse_case(c) for c in args.cases.split(",")]
+    try:
+        settings = SETTINGS if args.settings is None else json.loads(args.settings)
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"--settings: not JSON ({e})") from None
+    if not (isinstance(settings, list) and all(isinstance(x, dict) for x in settings)):
+        raise SystemExit("--settings: a JSON list of objects expected, e.g. "
+                         '[{}, {"spread": true}]')
+    kv_dtype = jnp.float8_e4m3fn if args.kv_dtype == "fp8" else jnp.bfloat16
+    deadline = time.perf_counter() + args.time_limit
+    print(f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}; kv {args.kv_dtype}; "
+          f"{args.layers} layers; tables {args.width} blocks wide", flush=True)
+    rows = {json.dumps(x, sort_keys=True): {} for x in settings}
+    checks = {}
+    for case in cases:
+        inputs = make_inputs(*case, args.layers, args.width, kv_dtype)
+        q, ks, vs, tables, lens = inputs
+        for x in settings:
+            key = json.dumps(x, sort_keys=True)
+            if time.perf_counter() > deadline:
+                rows[key][case] = None
+                continue
+            try:
+                checks[key, case] = check(x, q, ks[0], vs[0], tables, lens)
+                fn = jax.jit(functools.partial(chained, x))
+                rows[key][case] = time_per_call(fn, *inputs) / args.layers * 1e6
+            except Exception:                        # one failed row, not the table
+                traceback.print_exc()
+                rows[key][case] = None
+            print(f"  {':'.join(map(str, case))} {key}: {rows[key][case]} us/layer, "
+                  f"err {checks.get((key, case))}", flush=True)
+        del inputs, q, ks, vs
+    names = [":".join(map(str, c)) for c in cases]
+    print("\nus per layer (S:L:CTX = bucket rows : live rows : context); * best of the case")
+    print(f"{'settings':<48}" + "".join(f"{n:>14}" for n in names))
+    for key, row in rows.items():
+        cells = []
+        for case in cases:
+            t = row.get(case)
+            best = min((r[case] for r in rows.values() if r.get(case) is not None),
+                       default=None)
+            cells.append("-" if t is None else f"{t:.2f}{'*' if t == best else ' '}")
+        print(f"{key:<48}" + "".join(f"{c:>14}" for c in cells))
+    worst = max(checks.values(), default=0.0)
+    print(f"largest error against the reference, over all rows: {worst:.2e}")
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "bench_decode_small.json"), "w") as f:
+            json.dump({"cases": names, "kv_dtype": args.kv_dtype, "layers": args.layers,
+                       "rows": {k: [r.get(c) for c in cases] for k, r in rows.items()},
+                       "max_err": worst}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

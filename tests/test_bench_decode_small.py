@@ -1,0 +1,33 @@
+"""scripts/bench_decode_small.py on the CPU (the kernel in interpret mode): it checks a
+setting against the reference, times it, and names a bad case or setting in one line."""
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
+import bench_decode_small  # noqa: E402
+
+
+def test_one_case_and_setting_run_and_are_written(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("OUT", str(tmp_path))
+    assert bench_decode_small.main(["--cases", "8:1:40", "--layers", "2", "--width", "4",
+                                    "--settings", '[{"interpret": true}]']) == 0
+    got = json.loads((tmp_path / "bench_decode_small.json").read_text())
+    assert got["cases"] == ["8:1:40"] and got["layers"] == 2
+    assert got["rows"]['{"interpret": true}'][0] > 0
+    assert got["max_err"] < 1e-2          # bf16 queries and pool against the f32 reference
+    assert "8:1:40" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--cases", "8:9:40"], "needs 0 < L <= S"),
+    (["--cases", "8:1"], "is not S:L:CTX"),
+    (["--settings", "{"], "--settings: not JSON"),
+    (["--settings", '{"spread": true}'], "a JSON list of objects expected"),
+    (["--cases", "8:1:600", "--width", "4"], "needs more than --width 4 blocks"),
+])
+def test_bad_arguments_are_named(argv, message):
+    with pytest.raises(SystemExit, match=message):
+        bench_decode_small.main(argv + ["--layers", "1"])
