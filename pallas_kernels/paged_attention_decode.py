@@ -6,12 +6,11 @@ to a power of two >= 16 (the M of the dots), D head dim, Dp = D padded to a powe
 two, NB pool blocks, BS block size, B blocks per block-table row, NS k-splits,
 K = blocks_per_step * BS keys per inner step.
 
-Grid (P, Hkv), P = S x NS programs per KV head: a program takes all G query heads of
-one KV head of one sequence, so each KV block is read from HBM once. Program p is split
-p % NS of sequence p // NS, and split ``k`` covers an equal share of *that sequence's*
-steps (computed in-kernel from ``seq_lens``), so a short sequence in a wide block table
-still spreads over all splits. Each program writes its normalized partial output and
-log2-sum-exp; the combine is a small fused XLA op.
+Grid (S, Hkv, NS): a program takes all G query heads of one KV head of one sequence,
+so each KV block is read from HBM once. Split ``k`` of a sequence covers an equal share
+of *that sequence's* steps (computed in-kernel from ``seq_lens``), so a short sequence
+in a wide block table still spreads over all splits. Each split writes its normalized
+partial output and log2-sum-exp; the combine is a small fused XLA op.
 
 ``spread``: the P programs are shared among the live sequences (seq_lens > 0) instead,
 each getting P // live of them (at most ``k_splits``, default SPREAD_SPLITS), in
@@ -123,7 +122,6 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, *, sm_sc
     # row, S x ns programs' worth of work, and S x slots programs, so that the ones
     # left over write every unused slot empty and the combine needs no mask.
     slots = max(ns, min(k_splits or SPREAD_SPLITS, max_steps)) if spread else ns
-    num_programs = num_seqs * slots
     plan = spread_plan(seq_lens, num_seqs * ns, slots) if spread else None
     dot_dtype = jnp.dtype(default_dot_dtype(q.dtype, k_cache.dtype) if dot_dtype is None
                           else dot_dtype)
@@ -135,24 +133,23 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, *, sm_sc
         dot_dtype=dot_dtype, q_scale=q_scale, spread=spread,
         scale2=k_scale * (1.0 if q_scale else sm_scale * common.LOG2E))
     part_dtype = jnp.float32 if ns > 1 else q.dtype
-    pool_spec = pl.BlockSpec((None, nb * bs, d), lambda p, h: (h, 0, 0))
-    full = lambda x: pl.BlockSpec(x.shape, lambda p, h: (0,) * x.ndim)  # noqa: E731
+    pool_spec = pl.BlockSpec((None, nb * bs, d), lambda s, h, k: (h, 0, 0))
+    full = lambda x: pl.BlockSpec(x.shape, lambda s, h, k: (0,) * x.ndim)  # noqa: E731
     q2 = q.reshape(num_seqs * q_stride, d)
-    # The plan's place is taken by seq_lens when there is none (never read then).
-    plan_arg = seq_lens if plan is None else plan
+    tables = (block_tables, seq_lens) if plan is None else (block_tables, seq_lens, plan)
+    if plan is None:        # the fixed split's launch takes no plan argument
+        kernel = functools.partial(_without_plan, kernel)
     o, lse = common.pallas_call(
         kernel,
-        grid=(num_programs, hkv),
-        in_specs=[full(block_tables), full(seq_lens), full(plan_arg), full(q2), pool_spec,
-                  pool_spec],
-        out_specs=[pl.BlockSpec((slots, num_seqs * hq, d), lambda p, h: (0, 0, 0)),
-                   pl.BlockSpec((slots, num_seqs * hq), lambda p, h: (0, 0))],
+        grid=(num_seqs, hkv, slots),
+        in_specs=[full(x) for x in tables + (q2,)] + [pool_spec, pool_spec],
+        out_specs=[pl.BlockSpec((slots, num_seqs * hq, d), lambda s, h, k: (0, 0, 0)),
+                   pl.BlockSpec((slots, num_seqs * hq), lambda s, h, k: (0, 0))],
         out_shape=[jax.ShapeDtypeStruct((slots, num_seqs * hq, d), part_dtype),
                    jax.ShapeDtypeStruct((slots, num_seqs * hq), jnp.float32)],
         num_warps=num_warps, num_stages=num_stages, interpret=interpret,
         name="paged_attention_decode",
-    )(block_tables, seq_lens, plan_arg, q2, k_cache.reshape(hkv, nb * bs, d),
-      v_cache.reshape(hkv, nb * bs, d))
+    )(*tables, q2, k_cache.reshape(hkv, nb * bs, d), v_cache.reshape(hkv, nb * bs, d))
     out = o[0] if slots == 1 else combine_splits(o, lse)
     return out.reshape(num_seqs, hq, d).astype(q.dtype)
 
@@ -212,16 +209,20 @@ def combine_splits(o, lse):
     return num / jnp.where(den == 0.0, 1.0, den)[:, None]
 
 
+def _without_plan(kernel, bt_ref, lens_ref, *refs):
+    return kernel(bt_ref, lens_ref, None, *refs)
+
+
 def _decode_kernel(bt_ref, lens_ref, plan_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, hq,
                    q_stride, g, gp, d, dp, bs, tile, num_splits, window, scale2, v_scale,
                    per_block, dot_dtype, q_scale, spread):
-    p, h = pl.program_id(0), pl.program_id(1)
+    s, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     head = h * g + jnp.minimum(jnp.arange(gp), g - 1)
     row_ok = jnp.arange(gp) < g
-    if spread:
+    if spread:     # the plan's program p = split * S + s does its own row and split
+        p = split * lens_ref.shape[0] + s
         s, split, kvlen, num_splits = (plan_ref[i, p] for i in range(4))
     else:
-        s, split = lax.div(p, num_splits), lax.rem(p, num_splits)
         kvlen = lens_ref[s]
     rows = s * hq + head
     q = common.load_rows(q_ref, s * q_stride + head, d, dp, row_ok)
