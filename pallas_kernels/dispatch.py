@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from pallas_kernels.paged_attention_decode import paged_attention_decode
+from pallas_kernels.paged_attention_decode import decode_and_write, paged_attention_decode
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 from pallas_kernels.reshape_and_cache import reshape_and_cache
 
@@ -60,8 +60,13 @@ def _with_decode_rows(out, q, k_cache, v_cache, block_tables, seq_lens, query_st
 def decode_qkv(qkv, k_cache, v_cache, md, spec, num_q_heads):
     """A decode-only step in the runner's layout (token i = sequence i) on the fused
     [T, Hq + 2 Hkv, D] q/k/v array: the KV write and the decode kernel read their rows
-    in place. Returns (out [T, Hq, D], k_cache, v_cache)."""
+    in place (with the spec's ``decode_kv_write``, one kernel does both). Returns
+    (out [T, Hq, D], k_cache, v_cache)."""
     hkv = k_cache.shape[0]
+    if spec.decode_kv_write:
+        return decode_and_write(qkv, k_cache, v_cache, md.block_tables, md.seq_lens,
+                                md.slot_mapping, num_q_heads=num_q_heads,
+                                spread=spec.decode_spread, **_settings(spec))
     k_cache, v_cache = reshape_and_cache(qkv, qkv, k_cache, v_cache, md.slot_mapping,
                                          spec.k_scale, spec.v_scale,
                                          head_offsets=(num_q_heads, num_q_heads + hkv),

@@ -92,17 +92,53 @@ def default_settings(dp: int, bs: int, kv_itemsize: int) -> tuple[int, int]:
     return common.fit_kv_pipeline(bs, max(1, 64 // bs), dp, kv_itemsize, 2)
 
 
-@functools.partial(jax.jit, static_argnames=(
-    "sm_scale", "sliding_window", "k_scale", "v_scale", "num_q_heads", "blocks_per_step",
-    "k_splits", "num_warps", "num_stages", "per_block", "dot_dtype", "spread", "interpret"))
-def paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, *, sm_scale,
-                           sliding_window=None, k_scale=1.0, v_scale=1.0, num_q_heads=None,
-                           blocks_per_step=None, k_splits=None, num_warps=4, num_stages=None,
-                           per_block=False, dot_dtype=None, spread=False, interpret=False):
+def paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, **kw):
     """Same contract as ``ref_paged_attention_decode``; the rest are kernel settings
     (``per_block``: common.tile_slots; ``dot_dtype``: default_dot_dtype; ``spread``:
     the module docstring, with ``k_splits`` the most splits a sequence gets).
     With ``num_q_heads`` the kernel reads the query rows in place (no slice copy)."""
+    return _decode(q, k_cache, v_cache, block_tables, seq_lens, None, **kw)[0]
+
+
+def ref_decode_and_write(qkv, k_cache, v_cache, block_tables, seq_lens, slot_mapping, *,
+                         num_q_heads, sm_scale, sliding_window=None, k_scale=1.0,
+                         v_scale=1.0):
+    """The KV write, then decode, on a fused qkv [S, Hq + 2 Hkv, D] (the q heads, then
+    the k and the v heads): this step's keys and values go into the pool at
+    slot_mapping (reshape_and_cache's contract), then each sequence's query attends.
+    Returns (out [S, Hq, D], k_cache, v_cache)."""
+    from pallas_kernels.reshape_and_cache import ref_reshape_and_cache
+    hkv = k_cache.shape[0]
+    k_cache, v_cache = ref_reshape_and_cache(
+        qkv, qkv, k_cache, v_cache, slot_mapping, k_scale, v_scale,
+        head_offsets=(num_q_heads, num_q_heads + hkv))
+    out = ref_paged_attention_decode(qkv, k_cache, v_cache, block_tables, seq_lens,
+                                     sm_scale=sm_scale, sliding_window=sliding_window,
+                                     k_scale=k_scale, v_scale=v_scale,
+                                     num_q_heads=num_q_heads)
+    return out, k_cache, v_cache
+
+
+def decode_and_write(qkv, k_cache, v_cache, block_tables, seq_lens, slot_mapping, *,
+                     num_q_heads, **kw):
+    """``ref_decode_and_write``'s contract in one kernel: the program whose split holds
+    a sequence's newest key writes that key and value into the pool (the pool is
+    aliased to the output, as in reshape_and_cache) and attends to them from the qkv
+    rows, not from the pool, so no other kernel writes them first. Same settings as
+    paged_attention_decode."""
+    return _decode(qkv, k_cache, v_cache, block_tables, seq_lens, slot_mapping,
+                   num_q_heads=num_q_heads, **kw)
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "sm_scale", "sliding_window", "k_scale", "v_scale", "num_q_heads", "blocks_per_step",
+    "k_splits", "num_warps", "num_stages", "per_block", "dot_dtype", "spread", "interpret"))
+def _decode(q, k_cache, v_cache, block_tables, seq_lens, slot_mapping, *, sm_scale,
+            sliding_window=None, k_scale=1.0, v_scale=1.0, num_q_heads=None,
+            blocks_per_step=None, k_splits=None, num_warps=4, num_stages=None,
+            per_block=False, dot_dtype=None, spread=False, interpret=False):
+    """(out, k_cache, v_cache); the pools are written when slot_mapping is given."""
+    write = slot_mapping is not None
     num_seqs, q_stride, d = q.shape
     hq = num_q_heads or q_stride
     hkv, nb, bs, _ = k_cache.shape
@@ -130,28 +166,38 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, *, sm_sc
     kernel = functools.partial(
         _decode_kernel, hq=hq, q_stride=q_stride, g=g, gp=gp, d=d, dp=dp, bs=bs, tile=tile,
         num_splits=ns, window=sliding_window, v_scale=v_scale, per_block=per_block,
-        dot_dtype=dot_dtype, q_scale=q_scale, spread=spread,
+        dot_dtype=dot_dtype, q_scale=q_scale, hkv=hkv, k_scale=k_scale,
         scale2=k_scale * (1.0 if q_scale else sm_scale * common.LOG2E))
     part_dtype = jnp.float32 if ns > 1 else q.dtype
     pool_spec = pl.BlockSpec((None, nb * bs, d), lambda s, h, k: (h, 0, 0))
     full = lambda x: pl.BlockSpec(x.shape, lambda s, h, k: (0,) * x.ndim)  # noqa: E731
     q2 = q.reshape(num_seqs * q_stride, d)
-    tables = (block_tables, seq_lens) if plan is None else (block_tables, seq_lens, plan)
-    if plan is None:        # the fixed split's launch takes no plan argument
-        kernel = functools.partial(_without_plan, kernel)
-    o, lse = common.pallas_call(
-        kernel,
+    pools = (k_cache.reshape(hkv, nb * bs, d), v_cache.reshape(hkv, nb * bs, d))
+    # Arguments: block tables, seq_lens, [plan], [slot_mapping], q, pools; the kernel
+    # gets None for the ones a launch does not take.
+    small = [block_tables, seq_lens] + [x for x in (plan, slot_mapping) if x is not None]
+    out_shape = [jax.ShapeDtypeStruct((slots, num_seqs * hq, d), part_dtype),
+                 jax.ShapeDtypeStruct((slots, num_seqs * hq), jnp.float32)]
+    out_specs = [pl.BlockSpec((slots, num_seqs * hq, d), lambda s, h, k: (0, 0, 0)),
+                 pl.BlockSpec((slots, num_seqs * hq), lambda s, h, k: (0, 0))]
+    if write:               # the pools again, aliased, written in place
+        out_shape += [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in pools]
+        out_specs += [pool_spec, pool_spec]
+    outs = common.pallas_call(
+        functools.partial(_bind, kernel, plan is not None, write),
         grid=(num_seqs, hkv, slots),
-        in_specs=[full(x) for x in tables + (q2,)] + [pool_spec, pool_spec],
-        out_specs=[pl.BlockSpec((slots, num_seqs * hq, d), lambda s, h, k: (0, 0, 0)),
-                   pl.BlockSpec((slots, num_seqs * hq), lambda s, h, k: (0, 0))],
-        out_shape=[jax.ShapeDtypeStruct((slots, num_seqs * hq, d), part_dtype),
-                   jax.ShapeDtypeStruct((slots, num_seqs * hq), jnp.float32)],
+        in_specs=[full(x) for x in small + [q2]] + [pool_spec, pool_spec],
+        out_specs=out_specs, out_shape=out_shape,
+        input_output_aliases={len(small) + 1: 2, len(small) + 2: 3} if write else {},
         num_warps=num_warps, num_stages=num_stages, interpret=interpret,
         name="paged_attention_decode",
-    )(*tables, q2, k_cache.reshape(hkv, nb * bs, d), v_cache.reshape(hkv, nb * bs, d))
-    out = o[0] if slots == 1 else combine_splits(o, lse)
-    return out.reshape(num_seqs, hq, d).astype(q.dtype)
+    )(*small, q2, *pools)
+    o, lse = outs[:2]
+    out = (o[0] if slots == 1 else combine_splits(o, lse)).reshape(num_seqs, hq, d)
+    if not write:
+        return out.astype(q.dtype), k_cache, v_cache
+    return (out.astype(q.dtype), outs[2].reshape(k_cache.shape),
+            outs[3].reshape(v_cache.shape))
 
 
 def spread_plan(seq_lens, work: int, slots: int):
@@ -209,17 +255,24 @@ def combine_splits(o, lse):
     return num / jnp.where(den == 0.0, 1.0, den)[:, None]
 
 
-def _without_plan(kernel, bt_ref, lens_ref, *refs):
-    return kernel(bt_ref, lens_ref, None, *refs)
+def _bind(kernel, has_plan, write, bt_ref, lens_ref, *refs):
+    """The launch's refs in _decode_kernel's order, None for those it does not take."""
+    refs = list(refs)
+    plan_ref = refs.pop(0) if has_plan else None
+    slot_ref = refs.pop(0) if write else None
+    q_ref, k_ref, v_ref, o_ref, lse_ref, *pools = refs
+    kc_ref, vc_ref = pools if write else (None, None)
+    return kernel(bt_ref, lens_ref, plan_ref, slot_ref, q_ref, k_ref, v_ref, o_ref, lse_ref,
+                  kc_ref, vc_ref)
 
 
-def _decode_kernel(bt_ref, lens_ref, plan_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, hq,
-                   q_stride, g, gp, d, dp, bs, tile, num_splits, window, scale2, v_scale,
-                   per_block, dot_dtype, q_scale, spread):
+def _decode_kernel(bt_ref, lens_ref, plan_ref, slot_ref, q_ref, k_ref, v_ref, o_ref, lse_ref,
+                   kc_ref, vc_ref, *, hq, q_stride, g, gp, d, dp, bs, tile, num_splits,
+                   window, scale2, v_scale, per_block, dot_dtype, q_scale, hkv, k_scale):
     s, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     head = h * g + jnp.minimum(jnp.arange(gp), g - 1)
     row_ok = jnp.arange(gp) < g
-    if spread:     # the plan's program p = split * S + s does its own row and split
+    if plan_ref is not None:     # spread: plan program p = split * S + s
         p = split * lens_ref.shape[0] + s
         s, split, kvlen, num_splits = (plan_ref[i, p] for i in range(4))
     else:
@@ -235,16 +288,27 @@ def _decode_kernel(bt_ref, lens_ref, plan_ref, q_ref, k_ref, v_ref, o_ref, lse_r
     per = common.cdiv(last - first, num_splits)
     start = jnp.minimum(first + split * per, last)
     end = jnp.minimum(start + per, last)
-    # Steps fully inside [lo, kvlen) need no mask; only the last one is partial.
-    full_end = start if window is not None else jnp.clip(lax.div(kvlen, tile), start, end)
+    # Steps fully inside [lo, kvlen) need no mask; only the last one is partial. With a
+    # write the newest key's step is a masked one too: it takes that key from qkv.
+    newest = kvlen - 1 if kc_ref is not None else kvlen
+    full_end = start if window is not None else jnp.clip(lax.div(newest, tile), start, end)
+    new_kv = None
+    if kc_ref is not None:
+        new_kv = functools.partial(_new_kv, q_ref, s * q_stride + hq + h, hkv, d, dp,
+                                   (k_scale, v_scale), kc_ref.dtype)
 
     def masked_step(i, carry):
         def kv_mask(kpos):
             ok = kpos < kvlen
             return ok if window is None else ok & (kpos >= lo)
-        _, kvalid, k, v = common.kv_tile(bt_ref, k_ref, v_ref, s, i * tile, tile=tile,
-                                         block_size=bs, d=d, dp=dp, kv_mask_fn=kv_mask,
-                                         dtype=q.dtype, per_block=per_block)
+        kpos, kvalid, k, v = common.kv_tile(bt_ref, k_ref, v_ref, s, i * tile, tile=tile,
+                                            block_size=bs, d=d, dp=dp, kv_mask_fn=kv_mask,
+                                            dtype=q.dtype, per_block=per_block)
+        if new_kv is not None:
+            is_new = kpos == kvlen - 1
+            k_new, v_new = new_kv(is_new, as_dtype=q.dtype)
+            k = jnp.where(is_new[:, None], k_new, k)
+            v = jnp.where(is_new[:, None], v_new, v)
         mask = jnp.broadcast_to(kvalid[None, :], (gp, tile))
         return common.softmax_step(q, k, v, mask, carry, scale2)
 
@@ -257,3 +321,27 @@ def _decode_kernel(bt_ref, lens_ref, plan_ref, q_ref, k_ref, v_ref, o_ref, lse_r
     common.store_rows(o_ref, rows, acc * (v_scale / l_safe)[:, None], d, row_ok, lead=(split,))
     lse = jnp.where(l == 0.0, -jnp.inf, m + jnp.log(l_safe) * common.LOG2E)
     common.store_vec(lse_ref, rows, lse, row_ok, lead=(split,))
+    if new_kv is not None:
+        # The one program whose steps hold the newest key writes it (slot < 0: padding).
+        step = lax.div(jnp.maximum(kvlen - 1, 0), tile)
+        slot = slot_ref[s]
+        mine = (kvlen > 0) & (start <= step) & (step < end) & (slot >= 0)
+        one = (jnp.arange(gp) == 0) & mine
+        k_new, v_new = new_kv(one)
+        dst = jnp.full((gp,), jnp.maximum(slot, 0))
+        common.store_rows(kc_ref, dst, k_new, d, one)
+        common.store_rows(vc_ref, dst, v_new, d, one)
+
+
+def _new_kv(q_ref, k_row, hkv, d, dp, scales, cache_dtype, rows_ok, as_dtype=None):
+    """This step's key and value of one KV head from the qkv rows (k_row, k_row + Hkv)
+    as the pool stores them (fp8: divided by their scale, cast), in ``rows_ok``'s rows
+    (the others 0); ``as_dtype``: then widened for the dots, as a pool read would be."""
+    out = []
+    for row, scale in zip((k_row, k_row + hkv), scales):
+        x = common.load_rows(q_ref, jnp.full(rows_ok.shape, row), d, dp, rows_ok)
+        if common.is_fp8(cache_dtype):
+            x = x.astype(jnp.float32) / scale
+        x = x.astype(cache_dtype)
+        out.append(x if as_dtype is None else x.astype(as_dtype))
+    return out

@@ -49,16 +49,22 @@ class AttentionSpec:
     # Tensor parallelism: attention runs per shard over this mesh's `tp` axis (None or
     # a one-device mesh: unsharded). A Mesh is hashable, so the spec stays static.
     mesh: Mesh | None = None
-    # Pure decode steps share the decode kernel's programs among the live sequences
-    # (pallas_kernels.paged_attention_decode's ``spread``). Off unless
-    # JAXLLM_DECODE_SPREAD=1 until the H200 measures it against the fixed split.
-    decode_spread: bool = dataclasses.field(default_factory=lambda: decode_spread_enabled())
+    # Pallas decode-step options, each off until the H200 measures it (docs/kernels.md):
+    # spread: share the decode kernel's programs among the live sequences
+    # (paged_attention_decode's ``spread``; JAXLLM_DECODE_SPREAD=1); kv_write: the decode
+    # kernel writes the step's keys and values itself, one kernel a layer fewer
+    # (decode_and_write; JAXLLM_DECODE_KV_WRITE=1).
+    decode_spread: bool = dataclasses.field(
+        default_factory=lambda: env_switch("JAXLLM_DECODE_SPREAD"))
+    decode_kv_write: bool = dataclasses.field(
+        default_factory=lambda: env_switch("JAXLLM_DECODE_KV_WRITE"))
 
 
-def decode_spread_enabled() -> bool:
-    value = os.environ.get("JAXLLM_DECODE_SPREAD", "0")
+def env_switch(name: str) -> bool:
+    """A 0/1 environment switch, off when unset."""
+    value = os.environ.get(name, "0")
     if value not in ("0", "1"):
-        raise ValueError(f"JAXLLM_DECODE_SPREAD={value!r}: 0 or 1 expected")
+        raise ValueError(f"{name}={value!r}: 0 or 1 expected")
     return value == "1"
 
 

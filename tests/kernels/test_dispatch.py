@@ -78,33 +78,37 @@ def _decode_step_fn(spec, md, fused):
     return lambda *a: paged_attention(*a, md, spec), lambda *a: a
 
 
+@pytest.mark.parametrize("options", [dict(decode_spread=True), dict(decode_kv_write=True),
+                                     dict(decode_spread=True, decode_kv_write=True)], ids=str)
 @pytest.mark.parametrize("fused", [False, True])
-def test_decode_spread_spec_matches_reference(fused):
-    """AttentionSpec(decode_spread=True): both pure-decode paths (q/k/v apart and fused)
-    build the plan, give the reference's output and write the same pool."""
+def test_decode_step_options_match_reference(fused, options):
+    """The spec's decode options on both pure-decode paths (q/k/v apart and fused): the
+    reference's output and pool. The spread plan (spread_plan's cumsum) is traced only
+    when asked for; the KV write goes into the decode kernel on the fused path only."""
     # Tables 39 blocks wide: the fixed split gives each row 5 programs, so spread is on.
     c = make_case(2, q_lens=[1, 1] + [0] * 6, kv_lens=[75, 140] + [0] * 6, hq=8, hkv=2, d=64,
                   bs=16, extra_cols=30)
     q, k, v, md = _step(c, True, num_tokens=8)
     caches = (c.k_cache, c.v_cache)
     want = paged_attention(q, k, v, *caches, md, AttentionSpec(sm_scale=0.3))
-    for spread in (False, True):
-        spec = AttentionSpec(sm_scale=0.3, backend="pallas", interpret=True,
-                             decode_spread=spread)
-        fn, make_args = _decode_step_fn(spec, md, fused)
-        args = make_args(q, k, v, *caches)
-        # spread_plan's cumsum over the live rows is traced only when asked for.
-        assert ("cumsum" in str(jax.make_jaxpr(fn)(*args))) == spread
+    spec = AttentionSpec(sm_scale=0.3, backend="pallas", interpret=True, **options)
+    fn, make_args = _decode_step_fn(spec, md, fused)
+    args = make_args(q, k, v, *caches)
+    jaxpr = str(jax.make_jaxpr(fn)(*args))
+    assert ("cumsum" in jaxpr) == spec.decode_spread
+    assert jaxpr.count("pallas_call") == (1 if fused and spec.decode_kv_write else 2)
     got = run(fn, *args)
     assert_close(got[0], want[0])
     assert same_bits(got[1], want[1]) and same_bits(got[2], want[2])
 
 
-def test_decode_spread_switch(monkeypatch):
-    monkeypatch.delenv("JAXLLM_DECODE_SPREAD", raising=False)
-    assert AttentionSpec(sm_scale=1.0).decode_spread is False
-    monkeypatch.setenv("JAXLLM_DECODE_SPREAD", "1")
-    assert AttentionSpec(sm_scale=1.0).decode_spread is True
-    monkeypatch.setenv("JAXLLM_DECODE_SPREAD", "yes")
-    with pytest.raises(ValueError, match="JAXLLM_DECODE_SPREAD='yes': 0 or 1 expected"):
+@pytest.mark.parametrize("name,field", [("JAXLLM_DECODE_SPREAD", "decode_spread"),
+                                        ("JAXLLM_DECODE_KV_WRITE", "decode_kv_write")])
+def test_decode_option_switches(monkeypatch, name, field):
+    monkeypatch.delenv(name, raising=False)
+    assert getattr(AttentionSpec(sm_scale=1.0), field) is False
+    monkeypatch.setenv(name, "1")
+    assert getattr(AttentionSpec(sm_scale=1.0), field) is True
+    monkeypatch.setenv(name, "yes")
+    with pytest.raises(ValueError, match=f"{name}='yes': 0 or 1 expected"):
         AttentionSpec(sm_scale=1.0)

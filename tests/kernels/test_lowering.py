@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import pytest
 from cuda_lowering import lower_for_cuda
 
-from pallas_kernels.paged_attention_decode import paged_attention_decode
+from pallas_kernels.paged_attention_decode import decode_and_write, paged_attention_decode
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 from pallas_kernels.reshape_and_cache import reshape_and_cache
 
@@ -100,6 +100,20 @@ def test_fused_qkv_decode_path_lowers():
     assert "triton" in lower_for_cuda(write, qkv, qkv, pool, pool, SD((64,), I32))
     decode = functools.partial(paged_attention_decode, sm_scale=0.1, num_q_heads=hq)
     assert "triton" in lower_for_cuda(decode, qkv, pool, pool, SD((64, 64), I32), SD((64,), I32))
+
+
+@pytest.mark.parametrize("kv_dtype,settings", [(BF16, {}), (FP8, dict(spread=True))],
+                         ids=str)
+def test_decode_and_write_lowers(kv_dtype, settings):
+    """The decode kernel that writes the step's keys and values itself (pools aliased
+    to its outputs), on the fused q/k/v array."""
+    hq, hkv, d = 32, 8, 128
+    qkv = SD((8, hq + 2 * hkv, d), BF16)
+    pool = SD((hkv, 4000, 16, d), kv_dtype)
+    fn = functools.partial(decode_and_write, sm_scale=0.1, num_q_heads=hq, k_scale=0.5,
+                           v_scale=0.5, **settings)
+    assert "triton" in lower_for_cuda(fn, qkv, pool, pool, SD((8, 128), I32), SD((8,), I32),
+                                      SD((8,), I32))
 
 
 def test_mixed_step_lowers():

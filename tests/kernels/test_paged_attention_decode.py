@@ -8,9 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernel_cases import FP8, assert_close, make_case, run
-from pallas_kernels.paged_attention_decode import (combine_splits, default_dot_dtype,
+from kernel_cases import FP8, assert_close, make_case, run, same_bits
+from pallas_kernels.paged_attention_decode import (combine_splits, decode_and_write,
+                                                   default_dot_dtype,
                                                    paged_attention_decode,
+                                                   ref_decode_and_write,
                                                    ref_paged_attention_decode, spread_plan)
 
 # Context lengths from 1 token to several blocks, partial last blocks, a padding row.
@@ -180,3 +182,53 @@ def test_spread_is_off_where_each_row_has_one_program():
         c = make_case(9, q_lens=[1] * rows, kv_lens=[30] + [0] * (rows - 1), hq=8, hkv=2,
                       d=64, bs=16, extra_cols=40)
         assert ("cumsum" in str(jax.make_jaxpr(fn)(*_args(c)))) == want
+
+
+def _write_case(seed, lens, *, dtype=jnp.float32, kv_dtype=None, scale=1.0, bs=16, hq=8,
+                hkv=2, d=64):
+    """A decode step on a fused qkv [S, Hq + 2 Hkv, D] whose newest key and value are not
+    in the pool yet: their slots hold NaN, so reading them from the pool shows."""
+    c = make_case(seed, q_lens=[1] * len(lens), kv_lens=lens, hq=hq, hkv=hkv, d=d, bs=bs,
+                  dtype=dtype, kv_dtype=kv_dtype, scale=scale)
+    rng = np.random.default_rng(seed + 100)
+    kv = jnp.asarray(rng.standard_normal((len(lens), 2 * hkv, d)), dtype)
+    qkv = jnp.concatenate([c.q, kv], axis=1)
+    tables = np.asarray(c.block_tables)
+    slots = np.array([tables[i, (n - 1) // bs] * bs + (n - 1) % bs if n else -1
+                      for i, n in enumerate(lens)], np.int32)
+    nan = jnp.asarray(np.nan, c.k_cache.dtype)
+    flat = [x.reshape(hkv, -1, d).at[:, slots[slots >= 0]].set(nan).reshape(x.shape)
+            for x in (c.k_cache, c.v_cache)]
+    return qkv, flat[0], flat[1], c.block_tables, c.seq_lens, jnp.asarray(slots)
+
+
+WRITE_CASES = {
+    # name: (case kwargs, kernel settings)
+    "splits": (dict(lens=[1, 16, 37, 100, 0, 130]), dict(k_splits=3, blocks_per_step=1)),
+    "whole_tiles": (dict(lens=[64, 128, 0, 32]), dict()),      # newest key ends a tile
+    "fp8": (dict(lens=[5, 80, 0, 33], dtype=jnp.bfloat16, kv_dtype=FP8, scale=0.5),
+            dict(k_splits=2, blocks_per_step=2)),
+    "spread": (dict(lens=[0, 150, 0, 0, 0, 0, 0, 0]), dict(spread=True, blocks_per_step=1)),
+}
+
+
+@pytest.mark.parametrize("name", list(WRITE_CASES))
+def test_decode_and_write_matches_write_then_decode(name):
+    case_kw, settings = WRITE_CASES[name]
+    args = _write_case(10, **case_kw)
+    scale = case_kw.get("scale", 1.0)
+    kw = dict(num_q_heads=8, sm_scale=0.3, k_scale=scale, v_scale=scale)
+    want = ref_decode_and_write(*args, **kw)
+    got = run(functools.partial(decode_and_write, interpret=True, **kw, **settings), *args)
+    assert_close(got[0], want[0], rtol=2e-2 if case_kw.get("kv_dtype") else 1e-5)
+    assert same_bits(got[1], want[1]) and same_bits(got[2], want[2])
+
+
+def test_decode_and_write_with_a_sliding_window():
+    args = _write_case(11, [90, 7, 0, 40])
+    kw = dict(num_q_heads=8, sm_scale=0.3, sliding_window=21)
+    want = ref_decode_and_write(*args, **kw)
+    got = run(functools.partial(decode_and_write, interpret=True, k_splits=2,
+                                blocks_per_step=1, **kw), *args)
+    assert_close(got[0], want[0])
+    assert same_bits(got[1], want[1]) and same_bits(got[2], want[2])
