@@ -86,12 +86,32 @@ def test_ragged_logits_match_hf(tiny_model, arch):
                          [("llama", "pallas"), ("qwen3", "pallas")])
 def test_greedy_continuation_matches_hf_generate(tiny_model, arch, backend):
     """`pallas` runs the Pallas kernels in interpret mode (CPU)."""
-    from jaxllm import LLM, SamplingParams
+    from jaxllm import LLM
     folder, hf = tiny_model(arch)
     llm = LLM(folder, dtype="float32", max_model_len=128, max_num_seqs=4,
               max_num_batched_tokens=64, enforce_eager=True, cpu_kv_cache_bytes=8 << 20,
               attention_backend=backend)
     assert llm.llm_engine.runner.spec.backend == backend
+    _assert_greedy_matches_hf(llm, hf, arch)
+
+
+def test_decode_step_options_keep_greedy_parity(tiny_model, monkeypatch):
+    """JAXLLM_DECODE_SPREAD=1 and JAXLLM_DECODE_KV_WRITE=1 (Pallas, interpret mode): the
+    same greedy tokens as HF. Tables 32 blocks wide, so the spread plan is in use."""
+    from jaxllm import LLM
+    monkeypatch.setenv("JAXLLM_DECODE_SPREAD", "1")
+    monkeypatch.setenv("JAXLLM_DECODE_KV_WRITE", "1")
+    folder, hf = tiny_model("llama")
+    llm = LLM(folder, dtype="float32", max_model_len=512, max_num_seqs=4,
+              max_num_batched_tokens=64, enforce_eager=True, cpu_kv_cache_bytes=8 << 20,
+              attention_backend="pallas")
+    spec = llm.llm_engine.runner.spec
+    assert spec.decode_spread and spec.decode_kv_write
+    _assert_greedy_matches_hf(llm, hf, "llama")
+
+
+def _assert_greedy_matches_hf(llm, hf, arch):
+    from jaxllm import SamplingParams
     rng = np.random.default_rng(2)
     prompts = [rng.integers(0, hf.config.vocab_size, n).tolist() for n in (5, 17, 40)]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
