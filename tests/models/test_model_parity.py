@@ -119,7 +119,8 @@ def _assert_greedy_matches_hf(llm, hf, arch):
                         use_tqdm=False)
     for p, out in zip(prompts, outs):
         with torch.no_grad():
-            ref = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+            ref = hf.generate(torch.tensor([p]),
+                              attention_mask=torch.ones(1, len(p), dtype=torch.long),
                               max_new_tokens=32, min_new_tokens=32,
                               do_sample=False, eos_token_id=None, pad_token_id=0)
         assert out.outputs[0].token_ids == ref[0, len(p):].tolist(), arch
