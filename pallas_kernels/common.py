@@ -125,6 +125,13 @@ def load_rows(ref, rows, d, dp, mask=None, lead=()):
     return plgpu.load(idx, mask=mask, other=zero)
 
 
+def load_row(ref, row, d, dp):
+    """``ref[row, :d]`` as ``[dp]``, the padding columns 0 (and touching no memory)."""
+    cols = jnp.arange(dp)
+    idx = ref.at[(row, cols)]
+    return idx[...] if dp == d else plgpu.load(idx, mask=cols < d, other=0)
+
+
 def store_rows(ref, rows, x, d, mask, lead=()):
     """``ref[*lead, rows, :d] = x[:, :d]`` where ``mask`` (rows); x is ``[len(rows), dp]``.
 

@@ -125,7 +125,13 @@ def decode_and_write(qkv, k_cache, v_cache, block_tables, seq_lens, slot_mapping
     a sequence's newest key writes that key and value into the pool (the pool is
     aliased to the output, as in reshape_and_cache) and attends to them from the qkv
     rows, not from the pool, so no other kernel writes them first. Same settings as
-    paged_attention_decode."""
+    paged_attention_decode.
+
+    Precondition: no row reads a slot another row writes in this call (each row's
+    newest key is its own). Rows sharing blocks that one of them fills now (the rows of
+    a speculative verify step; a request admitted in this step whose prefix-cache hit
+    is a block another row completes) would race; the runner sends such steps down
+    the separate write (input_batch.decode_rows_independent)."""
     return _decode(qkv, k_cache, v_cache, block_tables, seq_lens, slot_mapping,
                    num_q_heads=num_q_heads, **kw)
 
@@ -150,10 +156,11 @@ def _decode(q, k_cache, v_cache, block_tables, seq_lens, slot_mapping, *, sm_sca
     blocks_per_step, num_stages = blocks_per_step or fit[0], num_stages or fit[1]
     tile = blocks_per_step * bs
     max_steps = common.cdiv(block_tables.shape[1] * bs, tile)
-    ns = default_k_splits(num_seqs, hkv, max_steps) if spread or not k_splits else k_splits
+    ns = default_k_splits(num_seqs, hkv, max_steps)
     # A bucket that fills the card with one split per row gains nothing from sharing
-    # (its live rows are most of it).
+    # (its live rows are most of it); k_splits is then the fixed split's count.
     spread = spread and ns > 1
+    ns = ns if spread or not k_splits else k_splits
     # Partial outputs sit in slots [split, row]. Spread: up to `slots` splits a live
     # row, S x ns programs' worth of work, and S x slots programs, so that the ones
     # left over write every unused slot empty and the combine needs no mask.
@@ -194,8 +201,8 @@ def _decode(q, k_cache, v_cache, block_tables, seq_lens, slot_mapping, *, sm_sca
     )(*small, q2, *pools)
     o, lse = outs[:2]
     out = (o[0] if slots == 1 else combine_splits(o, lse)).reshape(num_seqs, hq, d)
-    if not write:
-        return out.astype(q.dtype), k_cache, v_cache
+    if not write:            # (the pools returned unchanged would be copied out)
+        return out.astype(q.dtype), None, None
     return (out.astype(q.dtype), outs[2].reshape(k_cache.shape),
             outs[3].reshape(v_cache.shape))
 
@@ -293,9 +300,10 @@ def _decode_kernel(bt_ref, lens_ref, plan_ref, slot_ref, q_ref, k_ref, v_ref, o_
     newest = kvlen - 1 if kc_ref is not None else kvlen
     full_end = start if window is not None else jnp.clip(lax.div(newest, tile), start, end)
     new_kv = None
-    if kc_ref is not None:
-        new_kv = functools.partial(_new_kv, q_ref, s * q_stride + hq + h, hkv, d, dp,
-                                   (k_scale, v_scale), kc_ref.dtype)
+    if kc_ref is not None:       # this step's key and value, as the pool stores them
+        slot = slot_ref[s]
+        new_kv = _new_kv(q_ref, s * q_stride + hq + h, hkv, d, dp, (k_scale, v_scale),
+                         kc_ref.dtype)
 
     def masked_step(i, carry):
         def kv_mask(kpos):
@@ -304,11 +312,10 @@ def _decode_kernel(bt_ref, lens_ref, plan_ref, slot_ref, q_ref, k_ref, v_ref, o_
         kpos, kvalid, k, v = common.kv_tile(bt_ref, k_ref, v_ref, s, i * tile, tile=tile,
                                             block_size=bs, d=d, dp=dp, kv_mask_fn=kv_mask,
                                             dtype=q.dtype, per_block=per_block)
-        if new_kv is not None:
-            is_new = kpos == kvlen - 1
-            k_new, v_new = new_kv(is_new, as_dtype=q.dtype)
-            k = jnp.where(is_new[:, None], k_new, k)
-            v = jnp.where(is_new[:, None], v_new, v)
+        if new_kv is not None:   # (slot < 0: nothing is written, the pool's row is read)
+            is_new = ((kpos == kvlen - 1) & (slot >= 0))[:, None]
+            k = jnp.where(is_new, new_kv[0].astype(k.dtype)[None, :], k)
+            v = jnp.where(is_new, new_kv[1].astype(v.dtype)[None, :], v)
         mask = jnp.broadcast_to(kvalid[None, :], (gp, tile))
         return common.softmax_step(q, k, v, mask, carry, scale2)
 
@@ -324,24 +331,20 @@ def _decode_kernel(bt_ref, lens_ref, plan_ref, slot_ref, q_ref, k_ref, v_ref, o_
     if new_kv is not None:
         # The one program whose steps hold the newest key writes it (slot < 0: padding).
         step = lax.div(jnp.maximum(kvlen - 1, 0), tile)
-        slot = slot_ref[s]
         mine = (kvlen > 0) & (start <= step) & (step < end) & (slot >= 0)
         one = (jnp.arange(gp) == 0) & mine
-        k_new, v_new = new_kv(one)
         dst = jnp.full((gp,), jnp.maximum(slot, 0))
-        common.store_rows(kc_ref, dst, k_new, d, one)
-        common.store_rows(vc_ref, dst, v_new, d, one)
+        for ref, x in zip((kc_ref, vc_ref), new_kv):
+            common.store_rows(ref, dst, jnp.broadcast_to(x[None, :], (gp, dp)), d, one)
 
 
-def _new_kv(q_ref, k_row, hkv, d, dp, scales, cache_dtype, rows_ok, as_dtype=None):
-    """This step's key and value of one KV head from the qkv rows (k_row, k_row + Hkv)
-    as the pool stores them (fp8: divided by their scale, cast), in ``rows_ok``'s rows
-    (the others 0); ``as_dtype``: then widened for the dots, as a pool read would be."""
+def _new_kv(q_ref, k_row, hkv, d, dp, scales, cache_dtype):
+    """This step's key and value of one KV head, [Dp] each, from the qkv rows (k_row,
+    k_row + Hkv), as the pool stores them (fp8: divided by the scale, then cast)."""
     out = []
     for row, scale in zip((k_row, k_row + hkv), scales):
-        x = common.load_rows(q_ref, jnp.full(rows_ok.shape, row), d, dp, rows_ok)
+        x = common.load_row(q_ref, row, d, dp)
         if common.is_fp8(cache_dtype):
             x = x.astype(jnp.float32) / scale
-        x = x.astype(cache_dtype)
-        out.append(x if as_dtype is None else x.astype(as_dtype))
+        out.append(x.astype(cache_dtype))
     return out

@@ -2,7 +2,10 @@
 combine) chained over a model's layers in one program, as in a decode step, so that a
 call's time is the device's and not one dispatch per ~5 us kernel. Layer l + 1's query is
 layer l's output (same shape), so the layers run in order with no other kernel between
-them; each layer reads its own KV pool, so no layer finds the last one's KV in L2.
+them. Each layer reads its own KV pool, and back-to-back calls rotate through enough
+copies of the pools (--copies, default: twice L2_BYTES of KV between two reads of the
+same pool) that no call finds KV in L2, as in a model step, where the layers' weights
+stream through L2 between two layers' attention.
 
     python3 scripts/bench_decode_small.py [--cases S:L:CTX,...] [--settings JSON]
         [--kv-dtype fp8] [--layers 32] [--width 128] [--time-limit 240]
@@ -37,6 +40,7 @@ from pallas_kernels.paged_attention_decode import (  # noqa: E402
     paged_attention_decode, ref_paged_attention_decode)
 
 HQ, HKV, D, BS = 32, 8, 128, 16
+L2_BYTES = 60 << 20          # at least the H100 / H200's 50 MB
 SM_SCALE = D ** -0.5
 CASES = "8:1:128,8:1:600,8:1:2048,8:8:160,8:8:600,16:16:600,64:64:600"
 SETTINGS = [{}, {"spread": True}, {"k_splits": 8}, {"k_splits": 16}, {"blocks_per_step": 8},
@@ -79,20 +83,27 @@ def chained(settings, q, ks, vs, tables, lens):
     return q
 
 
-def time_per_call(fn, *args, budget_s=0.4, repeats=7) -> float:
-    """Median seconds per call over `repeats` rounds of n back-to-back calls."""
-    jax.block_until_ready(fn(*args))
+def time_per_call(fn, arg_sets, budget_s=0.4, repeats=7) -> float:
+    """Median seconds per call over `repeats` rounds of n back-to-back calls, each call
+    on the next of `arg_sets` in turn."""
+    jax.block_until_ready(fn(*arg_sets[0]))
     t = time.perf_counter()
-    jax.block_until_ready(fn(*args))
+    jax.block_until_ready(fn(*arg_sets[-1]))
     n = int(min(200, max(3, budget_s / repeats / max(time.perf_counter() - t, 1e-6))))
     out = []
     for _ in range(repeats):
         t = time.perf_counter()
-        for _ in range(n):
-            r = fn(*args)
+        for i in range(n):
+            r = fn(*arg_sets[i % len(arg_sets)])
         jax.block_until_ready(r)
         out.append((time.perf_counter() - t) / n)
     return statistics.median(out)
+
+
+def auto_copies(live, ctx, layers, itemsize) -> int:
+    """Pool copies so that 2 x L2_BYTES of KV are read between two reads of one pool."""
+    per_call = layers * live * ctx * HKV * D * 2 * itemsize
+    return int(min(8, max(1, -(-2 * L2_BYTES // per_call))))
 
 
 def check(settings, q, k, v, tables, lens) -> float:
@@ -111,6 +122,8 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16")
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--width", type=int, default=128, help="block-table width in blocks")
+    ap.add_argument("--copies", type=int, default=None,
+                    help="pool copies rotated between calls (default: auto_copies)")
     ap.add_argument("--time-limit", type=float, default=240.0,
                     help="seconds after which the remaining rows are skipped")
     args = ap.parse_args(argv)
@@ -128,9 +141,14 @@ def main(argv=None) -> int:
           f"{args.layers} layers; tables {args.width} blocks wide", flush=True)
     rows = {json.dumps(x, sort_keys=True): {} for x in settings}
     checks = {}
+    if args.copies is not None and args.copies < 1:
+        raise SystemExit(f"--copies {args.copies}: at least 1")
     for case in cases:
-        inputs = make_inputs(*case, args.layers, args.width, kv_dtype)
-        q, ks, vs, tables, lens = inputs
+        copies = args.copies or auto_copies(*case[1:], args.layers,
+                                            jnp.dtype(kv_dtype).itemsize)
+        sets = [make_inputs(*case, args.layers, args.width, kv_dtype, seed=i)
+                for i in range(copies)]
+        q, ks, vs, tables, lens = sets[0]
         for x in settings:
             key = json.dumps(x, sort_keys=True)
             if time.perf_counter() > deadline:
@@ -139,13 +157,13 @@ def main(argv=None) -> int:
             try:
                 checks[key, case] = check(x, q, ks[0], vs[0], tables, lens)
                 fn = jax.jit(functools.partial(chained, x))
-                rows[key][case] = time_per_call(fn, *inputs) / args.layers * 1e6
+                rows[key][case] = time_per_call(fn, sets) / args.layers * 1e6
             except Exception:                        # one failed row, not the table
                 traceback.print_exc()
                 rows[key][case] = None
             print(f"  {':'.join(map(str, case))} {key}: {rows[key][case]} us/layer, "
-                  f"err {checks.get((key, case))}", flush=True)
-        del inputs, q, ks, vs
+                  f"err {checks.get((key, case))} ({copies} pool copies)", flush=True)
+        del sets, q, ks, vs
     names = [":".join(map(str, c)) for c in cases]
     print("\nus per layer (S:L:CTX = bucket rows : live rows : context); * best of the case")
     print(f"{'settings':<48}" + "".join(f"{n:>14}" for n in names))

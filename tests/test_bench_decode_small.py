@@ -27,7 +27,15 @@ def test_one_case_and_setting_run_and_are_written(tmp_path, monkeypatch, capsys)
     (["--settings", "{"], "--settings: not JSON"),
     (["--settings", '{"spread": true}'], "a JSON list of objects expected"),
     (["--cases", "8:1:600", "--width", "4"], "needs more than --width 4 blocks"),
+    (["--copies", "0"], "--copies 0: at least 1"),
 ])
 def test_bad_arguments_are_named(argv, message):
     with pytest.raises(SystemExit, match=message):
         bench_decode_small.main(argv + ["--layers", "1"])
+
+
+def test_pool_copies_keep_two_l2s_of_kv_between_reads():
+    per_call = 32 * 1 * 128 * 8 * 128 * 2 * 2            # 8:1:128, bf16: 16.8 MB a call
+    assert bench_decode_small.auto_copies(1, 128, 32, 2) == -(-2 * (60 << 20) // per_call)
+    assert bench_decode_small.auto_copies(64, 600, 32, 2) == 1
+    assert bench_decode_small.auto_copies(1, 16, 32, 1) == 8          # capped

@@ -14,18 +14,23 @@ from jaxllm.engine.scheduler import PLACEHOLDER_TOKEN_ID
 
 
 def prepare_inputs(scheduled, plan, block_size: int, max_blocks_per_seq: int,
-                   prev_rows: dict[str, int], ready=None) -> tuple[dict, bool, int]:
+                   prev_rows: dict[str, int], ready=None,
+                   rows_read_own_keys_only: bool = False) -> tuple[dict, bool, int]:
     """Fill host numpy buffers for one step. Returns (arrays, decode_only, rows).
     `prev_rows`: request id -> its row in the device's buffer of the last step's
     samples (an input token not read back yet is written as -(row + 1)). `ready`:
-    see BucketPlan.shape_for.
+    see BucketPlan.shape_for. `rows_read_own_keys_only`: a one-token step is
+    decode-only only if no row can read a key another row writes in it (decode steps
+    whose kernel writes the KV itself need that; decode_rows_independent).
 
     Vectorized over the batch: at 256 sequences a per-sequence loop of numpy
     calls cost milliseconds of host time per step."""
     num_seqs = len(scheduled)
     lens = np.fromiter((len(r.token_ids) for r in scheduled), np.int32, num_seqs)
     num_tokens = int(lens.sum())
-    t, s, decode_only = plan.shape_for(num_tokens, num_seqs, num_tokens == num_seqs, ready)
+    decode_only = num_tokens == num_seqs and (
+        not rows_read_own_keys_only or decode_rows_independent(scheduled, prev_rows))
+    t, s, decode_only = plan.shape_for(num_tokens, num_seqs, decode_only, ready)
     bs = block_size
     starts = np.fromiter((r.num_computed_tokens for r in scheduled), np.int32, num_seqs)
     query_start_loc = np.full(s + 1, num_tokens, np.int32)
@@ -55,6 +60,17 @@ def prepare_inputs(scheduled, plan, block_size: int, max_blocks_per_seq: int,
                   block_tables=block_tables, seq_lens=seq_lens,
                   query_start_loc=query_start_loc, logits_indices=logits_indices)
     return arrays, decode_only, s
+
+
+def decode_rows_independent(scheduled, prev_rows: dict[str, int]) -> bool:
+    """Whether no row of a one-token step can read a key that another row writes in
+    the same step: every row's request sampled in the last step (so it was admitted
+    earlier, and the blocks its prefix-cache hit found were written by then; a block
+    is registered in the cache when the step computing it is scheduled, so a request
+    admitted now may hit one another row fills now), and no request has several rows
+    (a speculative verify step's rows share their request's blocks)."""
+    ids = [r.request_id for r in scheduled]
+    return len(set(ids)) == len(ids) and all(i in prev_rows for i in ids)
 
 
 def max_rows(config) -> int:

@@ -175,9 +175,9 @@ class ModelRunner:
     # ------------------------------------------------------------ inputs
     def prepare_inputs(self, scheduled) -> tuple[dict, bool, int]:
         """Host numpy buffers for one step: (arrays, decode_only, rows)."""
-        return input_batch.prepare_inputs(scheduled, self.plan, self.block_size,
-                                          self.max_blocks_per_seq, self._prev_rows,
-                                          self.compilation.ready_now)
+        return input_batch.prepare_inputs(
+            scheduled, self.plan, self.block_size, self.max_blocks_per_seq, self._prev_rows,
+            self.compilation.ready_now, self.spec.decode_kv_write)
 
     # ------------------------------------------------------------ execution
     def step_args(self, arrays: dict, decode_only: bool, kv_caches=None) -> tuple:

@@ -168,10 +168,23 @@ def test_spread_plan_writes_every_slot_once(seed):
     rng = np.random.default_rng(seed)
     lens = jnp.asarray(rng.integers(0, 3, 8) * rng.integers(1, 100, 8), jnp.int32)
     for work, slots in ((32, 8), (8, 8), (16, 4)):
-        row, split, length, _ = np.asarray(spread_plan(lens, work, slots))
+        row, split, length, k = np.asarray(spread_plan(lens, work, slots))
         assert sorted(zip(row.tolist(), split.tolist())) == [
             (r, j) for r in range(8) for j in range(slots)]
-        assert ((length > 0) <= (np.asarray(lens)[row] > 0)).all()
+        # A live row's first k splits work on it; every other slot is written empty.
+        live = np.asarray(lens)[row] > 0
+        assert (length == np.where(live & (split < k), np.asarray(lens)[row], 0)).all()
+
+
+def test_k_splits_is_the_fixed_count_where_spread_is_off():
+    """spread=True in a bucket that fills the card keeps the fixed launch, with the
+    k_splits asked for (in spread it is the most splits a row gets)."""
+    c = make_case(13, q_lens=[1] * 128, kv_lens=[100] + [0] * 127, hq=8, hkv=2, d=64,
+                  bs=16, extra_cols=40)
+    fn = functools.partial(paged_attention_decode, sm_scale=0.3, k_splits=4)
+    text = str(jax.make_jaxpr(functools.partial(fn, spread=True))(*_args(c)))
+    assert text == str(jax.make_jaxpr(fn)(*_args(c)))
+    assert "f32[4,1024,64]" in text                      # 4 slots of partial outputs
 
 
 def test_spread_is_off_where_each_row_has_one_program():
@@ -221,6 +234,23 @@ def test_decode_and_write_matches_write_then_decode(name):
     want = ref_decode_and_write(*args, **kw)
     got = run(functools.partial(decode_and_write, interpret=True, **kw, **settings), *args)
     assert_close(got[0], want[0], rtol=2e-2 if case_kw.get("kv_dtype") else 1e-5)
+    assert same_bits(got[1], want[1]) and same_bits(got[2], want[2])
+
+
+def test_decode_and_write_without_a_slot_writes_nothing_and_reads_the_pool():
+    """A live row whose slot is -1 (EAGLE's padding rows): the pool is left alone and
+    the newest key is the pool's, as in the reference."""
+    qkv, kc, vc, tables, lens, slots = _write_case(12, [30, 45, 0, 9])
+    fill = jnp.asarray(np.random.default_rng(3).standard_normal(kc.shape), kc.dtype)
+    kc = jnp.where(jnp.isnan(kc), fill, kc)        # the unwritten slots read as numbers
+    vc = jnp.where(jnp.isnan(vc), fill, vc)
+    slots = slots.at[1].set(-1)
+    kw = dict(num_q_heads=8, sm_scale=0.3)
+    args = (qkv, kc, vc, tables, lens, slots)
+    want = ref_decode_and_write(*args, **kw)
+    got = run(functools.partial(decode_and_write, interpret=True, k_splits=2,
+                                blocks_per_step=1, **kw), *args)
+    assert_close(got[0], want[0])
     assert same_bits(got[1], want[1]) and same_bits(got[2], want[2])
 
 
