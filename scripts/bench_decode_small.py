@@ -8,7 +8,7 @@ same pool) that no call finds KV in L2, as in a model step, where the layers' we
 stream through L2 between two layers' attention.
 
     python3 scripts/bench_decode_small.py [--cases S:L:CTX,...] [--settings JSON]
-        [--kv-dtype fp8] [--layers 32] [--width 128] [--time-limit 240]
+        [--kv-dtype fp8] [--layers 32] [--width 128] [--time-limit 240] [--kv-write]
 
 A case S:L:CTX is a bucket of S rows of which the first L are live, each with CTX
 tokens of context (the runner pads a decode step to its sequence buckets, the smallest
@@ -18,6 +18,13 @@ arguments (spread, k_splits, blocks_per_step, num_stages, num_warps, per_block);
 the defaults. Before timing, each setting's first layer is checked against the jnp
 reference on the same device. Prints us per layer for each setting x case (the best
 of each case starred); with $OUT set, writes bench_decode_small.json there.
+
+--kv-write times the step's KV write with the attention, as the decode step runs them
+on the fused q/k/v array: {"fold": false} the KV write kernel then the decode kernel,
+{"fold": true} decode_and_write (the other keys: kernel settings). The pools are
+donated and threaded from call to call, so the writes are in place. Each layer's
+qkv is its query joined to its new keys and values, one small XLA kernel a layer in
+every row.
 """
 from __future__ import annotations
 
@@ -37,7 +44,9 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pallas_kernels.paged_attention_decode import (  # noqa: E402
-    paged_attention_decode, ref_paged_attention_decode)
+    decode_and_write, paged_attention_decode, ref_decode_and_write,
+    ref_paged_attention_decode)
+from pallas_kernels.reshape_and_cache import reshape_and_cache  # noqa: E402
 
 HQ, HKV, D, BS = 32, 8, 128, 16
 L2_BYTES = 60 << 20          # at least the H100 / H200's 50 MB
@@ -46,6 +55,8 @@ CASES = "8:1:128,8:1:600,8:1:2048,8:8:160,8:8:600,16:16:600,64:64:600"
 SETTINGS = [{}, {"spread": True}, {"k_splits": 8}, {"k_splits": 16}, {"blocks_per_step": 8},
             {"blocks_per_step": 16, "num_stages": 1}, {"spread": True, "blocks_per_step": 2},
             {"spread": True, "blocks_per_step": 8}, {"num_warps": 2}]
+WRITE_SETTINGS = [{"fold": False}, {"fold": True}, {"fold": False, "spread": True},
+                  {"fold": True, "spread": True}]
 
 
 def parse_case(text: str) -> tuple[int, int, int]:
@@ -74,27 +85,56 @@ def make_inputs(s, live, ctx, layers, width, kv_dtype, seed=0):
     ks = [pool(keys[3 * i]) for i in range(layers)]
     vs = [pool(keys[3 * i + 1]) for i in range(layers)]
     q = jax.random.normal(keys[2], (s, HQ, D), jnp.bfloat16)
-    return q, ks, vs, jnp.asarray(tables), jnp.asarray(lens)
+    # The step's new keys and values (position CTX - 1 of each live row) for --kv-write.
+    kvs = [jax.random.normal(keys[3 * i + 2], (s, 2 * HKV, D), jnp.bfloat16)
+           for i in range(layers)]
+    slots = np.where(lens > 0, tables[:, (ctx - 1) // BS] * BS + (ctx - 1) % BS, -1)
+    return (q, ks, vs, jnp.asarray(tables), jnp.asarray(lens),
+            jnp.asarray(slots, jnp.int32), kvs)
 
 
-def chained(settings, q, ks, vs, tables, lens):
-    for k, v in zip(ks, vs):
-        q = paged_attention_decode(q, k, v, tables, lens, sm_scale=SM_SCALE, **settings)
-    return q
+def chained(settings, q, ks, vs, tables, lens, slots, kvs):
+    """The layers in order; returns (last output, pools), the pools written with
+    --kv-write (settings then hold "fold")."""
+    settings = dict(settings)
+    fold = settings.pop("fold", None)
+    kw = dict(sm_scale=SM_SCALE, **settings)
+    new_ks, new_vs = [], []
+    for k, v, kv in zip(ks, vs, kvs):
+        if fold is None:
+            q = paged_attention_decode(q, k, v, tables, lens, **kw)
+        else:
+            qkv = jnp.concatenate([q, kv], axis=1)
+            if fold:
+                q, k, v = decode_and_write(qkv, k, v, tables, lens, slots, num_q_heads=HQ,
+                                           **kw)
+            else:
+                k, v = reshape_and_cache(qkv, qkv, k, v, slots, head_offsets=(HQ, HQ + HKV),
+                                         interpret=kw.get("interpret", False))
+                q = paged_attention_decode(qkv, k, v, tables, lens, num_q_heads=HQ, **kw)
+        new_ks.append(k)
+        new_vs.append(v)
+    return q, new_ks, new_vs
 
 
 def time_per_call(fn, arg_sets, budget_s=0.4, repeats=7) -> float:
     """Median seconds per call over `repeats` rounds of n back-to-back calls, each call
-    on the next of `arg_sets` in turn."""
-    jax.block_until_ready(fn(*arg_sets[0]))
+    on the next of `arg_sets` in turn (a set's pools replaced by the call's: they may
+    be donated)."""
+    def call(i):
+        a = arg_sets[i % len(arg_sets)]
+        r = fn(*a)
+        arg_sets[i % len(arg_sets)] = (a[0], r[1], r[2]) + tuple(a[3:])
+        return r
+    jax.block_until_ready(call(0))
     t = time.perf_counter()
-    jax.block_until_ready(fn(*arg_sets[-1]))
+    jax.block_until_ready(call(0))
     n = int(min(200, max(3, budget_s / repeats / max(time.perf_counter() - t, 1e-6))))
     out = []
     for _ in range(repeats):
         t = time.perf_counter()
         for i in range(n):
-            r = fn(*arg_sets[i % len(arg_sets)])
+            r = call(i)
         jax.block_until_ready(r)
         out.append((time.perf_counter() - t) / n)
     return statistics.median(out)
@@ -106,11 +146,23 @@ def auto_copies(live, ctx, layers, itemsize) -> int:
     return int(min(8, max(1, -(-2 * L2_BYTES // per_call))))
 
 
-def check(settings, q, k, v, tables, lens) -> float:
-    """Largest |kernel - reference| over max |reference| on one layer."""
-    got = jax.jit(functools.partial(paged_attention_decode, sm_scale=SM_SCALE, **settings))(
-        q, k, v, tables, lens)
-    want = ref_paged_attention_decode(q, k, v, tables, lens, sm_scale=SM_SCALE)
+def check(settings, q, k, v, tables, lens, slots, kv) -> float:
+    """Largest |kernel - reference| over max |reference| on one layer (with "fold":
+    decode_and_write's output, its pools required to equal the reference's)."""
+    settings = dict(settings)
+    if settings.pop("fold", None):
+        qkv = jnp.concatenate([q, kv], axis=1)
+        args = (qkv, k, v, tables, lens, slots)
+        got = jax.jit(functools.partial(decode_and_write, num_q_heads=HQ, sm_scale=SM_SCALE,
+                                        **settings))(*args)
+        want = ref_decode_and_write(*args, num_q_heads=HQ, sm_scale=SM_SCALE)
+        if not all(bool((a == b).all()) for a, b in zip(got[1:], want[1:])):
+            return float("inf")
+        got, want = got[0], want[0]
+    else:
+        got = jax.jit(functools.partial(paged_attention_decode, sm_scale=SM_SCALE,
+                                        **settings))(q, k, v, tables, lens)
+        want = ref_paged_attention_decode(q, k, v, tables, lens, sm_scale=SM_SCALE)
     got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
     return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
 
@@ -122,6 +174,8 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16")
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--width", type=int, default=128, help="block-table width in blocks")
+    ap.add_argument("--kv-write", action="store_true",
+                    help="time the KV write with the attention (settings: fold)")
     ap.add_argument("--copies", type=int, default=None,
                     help="pool copies rotated between calls (default: auto_copies)")
     ap.add_argument("--time-limit", type=float, default=240.0,
@@ -129,12 +183,17 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     cases = [parse_case(c) for c in args.cases.split(",")]
     try:
-        settings = SETTINGS if args.settings is None else json.loads(args.settings)
+        default = WRITE_SETTINGS if args.kv_write else SETTINGS
+        settings = default if args.settings is None else json.loads(args.settings)
     except json.JSONDecodeError as e:
         raise SystemExit(f"--settings: not JSON ({e})") from None
-    if not (isinstance(settings, list) and all(isinstance(x, dict) for x in settings)):
+    if not (isinstance(settings, list) and settings
+            and all(isinstance(x, dict) for x in settings)):
         raise SystemExit("--settings: a JSON list of objects expected, e.g. "
                          '[{}, {"spread": true}]')
+    if args.kv_write != all("fold" in x for x in settings) or (
+            not args.kv_write and any("fold" in x for x in settings)):
+        raise SystemExit('--settings: "fold" goes with --kv-write, in every setting')
     kv_dtype = jnp.float8_e4m3fn if args.kv_dtype == "fp8" else jnp.bfloat16
     deadline = time.perf_counter() + args.time_limit
     print(f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}; kv {args.kv_dtype}; "
@@ -148,22 +207,23 @@ def main(argv=None) -> int:
                                             jnp.dtype(kv_dtype).itemsize)
         sets = [make_inputs(*case, args.layers, args.width, kv_dtype, seed=i)
                 for i in range(copies)]
-        q, ks, vs, tables, lens = sets[0]
         for x in settings:
             key = json.dumps(x, sort_keys=True)
             if time.perf_counter() > deadline:
                 rows[key][case] = None
                 continue
             try:
-                checks[key, case] = check(x, q, ks[0], vs[0], tables, lens)
-                fn = jax.jit(functools.partial(chained, x))
+                q, ks, vs, tables, lens, slots, kvs = sets[0]   # (pools: the last call's)
+                checks[key, case] = check(x, q, ks[0], vs[0], tables, lens, slots, kvs[0])
+                fn = jax.jit(functools.partial(chained, x),
+                             donate_argnums=(1, 2) if args.kv_write else ())
                 rows[key][case] = time_per_call(fn, sets) / args.layers * 1e6
             except Exception:                        # one failed row, not the table
                 traceback.print_exc()
                 rows[key][case] = None
             print(f"  {':'.join(map(str, case))} {key}: {rows[key][case]} us/layer, "
                   f"err {checks.get((key, case))} ({copies} pool copies)", flush=True)
-        del sets, q, ks, vs
+        del sets
     names = [":".join(map(str, c)) for c in cases]
     print("\nus per layer (S:L:CTX = bucket rows : live rows : context); * best of the case")
     print(f"{'settings':<48}" + "".join(f"{n:>14}" for n in names))
@@ -180,6 +240,7 @@ def main(argv=None) -> int:
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "bench_decode_small.json"), "w") as f:
             json.dump({"cases": names, "kv_dtype": args.kv_dtype, "layers": args.layers,
+                       "kv_write": args.kv_write,
                        "rows": {k: [r.get(c) for c in cases] for k, r in rows.items()},
                        "max_err": worst}, f, indent=1)
     return 0

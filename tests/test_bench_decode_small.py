@@ -21,6 +21,19 @@ def test_one_case_and_setting_run_and_are_written(tmp_path, monkeypatch, capsys)
     assert "8:1:40" in capsys.readouterr().out
 
 
+def test_kv_write_mode_times_both_forms_and_checks_the_pools(tmp_path, monkeypatch):
+    """--kv-write: the KV write kernel then decode, against decode_and_write; each
+    checked against ref_decode_and_write (pools equal) before it is timed."""
+    monkeypatch.setenv("OUT", str(tmp_path))
+    settings = '[{"fold": false, "interpret": true}, {"fold": true, "interpret": true}]'
+    assert bench_decode_small.main(["--cases", "8:2:40", "--layers", "2", "--width", "4",
+                                    "--kv-write", "--copies", "2",
+                                    "--settings", settings]) == 0
+    got = json.loads((tmp_path / "bench_decode_small.json").read_text())
+    assert got["kv_write"] and all(r[0] > 0 for r in got["rows"].values())
+    assert got["max_err"] < 1e-2          # inf if decode_and_write's pools differed
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--cases", "8:9:40"], "needs 0 < L <= S"),
     (["--cases", "8:1"], "is not S:L:CTX"),
@@ -28,6 +41,8 @@ def test_one_case_and_setting_run_and_are_written(tmp_path, monkeypatch, capsys)
     (["--settings", '{"spread": true}'], "a JSON list of objects expected"),
     (["--cases", "8:1:600", "--width", "4"], "needs more than --width 4 blocks"),
     (["--copies", "0"], "--copies 0: at least 1"),
+    (["--settings", '[{"fold": true}]'], '"fold" goes with --kv-write'),
+    (["--kv-write", "--settings", '[{}]'], '"fold" goes with --kv-write'),
 ])
 def test_bad_arguments_are_named(argv, message):
     with pytest.raises(SystemExit, match=message):
