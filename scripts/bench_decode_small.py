@@ -93,28 +93,32 @@ def make_inputs(s, live, ctx, layers, width, kv_dtype, seed=0):
             jnp.asarray(slots, jnp.int32), kvs)
 
 
+def layer(fold, kw, q, k, v, tables, lens, slots, kv):
+    """One layer's attention: (output, pools); with a fold (True / False) on the fused
+    qkv, with the step's KV write (in the decode kernel / the write kernel first)."""
+    if fold is None:
+        return paged_attention_decode(q, k, v, tables, lens, **kw), k, v
+    qkv = jnp.concatenate([q, kv], axis=1)
+    if fold:
+        return decode_and_write(qkv, k, v, tables, lens, slots, num_q_heads=HQ, **kw)
+    k, v = reshape_and_cache(qkv, qkv, k, v, slots, head_offsets=(HQ, HQ + HKV),
+                             interpret=kw.get("interpret", False))
+    return paged_attention_decode(qkv, k, v, tables, lens, num_q_heads=HQ, **kw), k, v
+
+
 def chained(settings, q, ks, vs, tables, lens, slots, kvs):
-    """The layers in order; returns (last output, pools), the pools written with
-    --kv-write (settings then hold "fold")."""
+    """The layers in order; returns (last output, pools or None): the written pools
+    with --kv-write (settings then hold "fold"), None without (returned unchanged, XLA
+    would copy them every call)."""
     settings = dict(settings)
     fold = settings.pop("fold", None)
     kw = dict(sm_scale=SM_SCALE, **settings)
     new_ks, new_vs = [], []
     for k, v, kv in zip(ks, vs, kvs):
-        if fold is None:
-            q = paged_attention_decode(q, k, v, tables, lens, **kw)
-        else:
-            qkv = jnp.concatenate([q, kv], axis=1)
-            if fold:
-                q, k, v = decode_and_write(qkv, k, v, tables, lens, slots, num_q_heads=HQ,
-                                           **kw)
-            else:
-                k, v = reshape_and_cache(qkv, qkv, k, v, slots, head_offsets=(HQ, HQ + HKV),
-                                         interpret=kw.get("interpret", False))
-                q = paged_attention_decode(qkv, k, v, tables, lens, num_q_heads=HQ, **kw)
+        q, k, v = layer(fold, kw, q, k, v, tables, lens, slots, kv)
         new_ks.append(k)
         new_vs.append(v)
-    return q, new_ks, new_vs
+    return (q, None, None) if fold is None else (q, new_ks, new_vs)
 
 
 def time_per_call(fn, arg_sets, budget_s=0.4, repeats=7) -> float:
@@ -124,7 +128,8 @@ def time_per_call(fn, arg_sets, budget_s=0.4, repeats=7) -> float:
     def call(i):
         a = arg_sets[i % len(arg_sets)]
         r = fn(*a)
-        arg_sets[i % len(arg_sets)] = (a[0], r[1], r[2]) + tuple(a[3:])
+        if r[1] is not None:      # the pools were donated: the call's are the set's now
+            arg_sets[i % len(arg_sets)] = (a[0], r[1], r[2]) + tuple(a[3:])
         return r
     jax.block_until_ready(call(0))
     t = time.perf_counter()
@@ -147,23 +152,28 @@ def auto_copies(live, ctx, layers, itemsize) -> int:
 
 
 def check(settings, q, k, v, tables, lens, slots, kv) -> float:
-    """Largest |kernel - reference| over max |reference| on one layer (with "fold":
-    decode_and_write's output, its pools required to equal the reference's)."""
+    """Largest |kernel - reference| over max |reference| on one layer, through the
+    timed path. With "fold" the reference is ref_decode_and_write, the pools must equal
+    its, and the new keys' slots are NaN first (a read of the pool there would show)."""
     settings = dict(settings)
-    if settings.pop("fold", None):
-        qkv = jnp.concatenate([q, kv], axis=1)
-        args = (qkv, k, v, tables, lens, slots)
-        got = jax.jit(functools.partial(decode_and_write, num_q_heads=HQ, sm_scale=SM_SCALE,
-                                        **settings))(*args)
-        want = ref_decode_and_write(*args, num_q_heads=HQ, sm_scale=SM_SCALE)
-        if not all(bool((a == b).all()) for a, b in zip(got[1:], want[1:])):
-            return float("inf")
-        got, want = got[0], want[0]
+    fold = settings.pop("fold", None)
+    kw = dict(sm_scale=SM_SCALE, **settings)
+    if fold is None:
+        got = jax.jit(functools.partial(layer, None, kw))(q, k, v, tables, lens, slots, kv)
+        want = (ref_paged_attention_decode(q, k, v, tables, lens, sm_scale=SM_SCALE),)
     else:
-        got = jax.jit(functools.partial(paged_attention_decode, sm_scale=SM_SCALE,
-                                        **settings))(q, k, v, tables, lens)
-        want = ref_paged_attention_decode(q, k, v, tables, lens, sm_scale=SM_SCALE)
-    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+        at = slots[slots >= 0]
+        k, v = (x.reshape(HKV, -1, D).at[:, at].set(jnp.nan).reshape(x.shape) for x in (k, v))
+        got = jax.jit(functools.partial(layer, fold, kw))(q, k, v, tables, lens, slots, kv)
+        want = ref_decode_and_write(jnp.concatenate([q, kv], axis=1), k, v, tables, lens,
+                                    slots, num_q_heads=HQ, sm_scale=SM_SCALE)
+        same = [np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                               equal_nan=True) for a, b in zip(got[1:], want[1:])]
+        if not all(same):
+            return float("inf")
+    got, want = np.asarray(got[0], np.float32), np.asarray(want[0], np.float32)
+    if np.isnan(got).any():
+        return float("inf")
     return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
 
 

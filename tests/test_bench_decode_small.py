@@ -54,3 +54,11 @@ def test_pool_copies_keep_two_l2s_of_kv_between_reads():
     assert bench_decode_small.auto_copies(1, 128, 32, 2) == -(-2 * (60 << 20) // per_call)
     assert bench_decode_small.auto_copies(64, 600, 32, 2) == 1
     assert bench_decode_small.auto_copies(1, 16, 32, 1) == 8          # capped
+
+
+def test_without_kv_write_the_pools_are_not_returned():
+    """Pools returned unchanged from the timed jit would be copied on every call."""
+    import jax
+    sets = bench_decode_small.make_inputs(8, 1, 40, 1, 4, jax.numpy.bfloat16)
+    out = jax.jit(lambda *a: bench_decode_small.chained({"interpret": True}, *a))(*sets)
+    assert out[1] is None and out[2] is None

@@ -60,6 +60,14 @@ class AttentionSpec:
         default_factory=lambda: env_switch("JAXLLM_DECODE_KV_WRITE"))
 
 
+    @property
+    def folds_kv_write(self) -> bool:
+        """Whether pure decode steps run decode_and_write (Pallas, one device): the
+        runner must then keep a step whose rows read each other's new keys out of the
+        decode-only path (input_batch.decode_rows_independent)."""
+        return self.decode_kv_write and self.backend == "pallas" and tp_size(self.mesh) <= 1
+
+
 def env_switch(name: str) -> bool:
     """A 0/1 environment switch, off when unset."""
     value = os.environ.get(name, "0")

@@ -177,7 +177,7 @@ class ModelRunner:
         """Host numpy buffers for one step: (arrays, decode_only, rows)."""
         return input_batch.prepare_inputs(
             scheduled, self.plan, self.block_size, self.max_blocks_per_seq, self._prev_rows,
-            self.compilation.ready_now, self.spec.decode_kv_write)
+            self.compilation.ready_now, self.spec.folds_kv_write)
 
     # ------------------------------------------------------------ execution
     def step_args(self, arrays: dict, decode_only: bool, kv_caches=None) -> tuple:

@@ -112,3 +112,11 @@ def test_decode_option_switches(monkeypatch, name, field):
     monkeypatch.setenv(name, "yes")
     with pytest.raises(ValueError, match=f"{name}='yes': 0 or 1 expected"):
         AttentionSpec(sm_scale=1.0)
+
+
+def test_the_runner_guards_decode_steps_only_where_the_write_is_folded():
+    """folds_kv_write: the KV write option on the Pallas backend on one device; the
+    reference backend (and tensor parallelism) write apart whatever the option says."""
+    assert AttentionSpec(sm_scale=1.0, backend="pallas", decode_kv_write=True).folds_kv_write
+    assert not AttentionSpec(sm_scale=1.0, backend="pallas").folds_kv_write
+    assert not AttentionSpec(sm_scale=1.0, decode_kv_write=True).folds_kv_write
