@@ -63,6 +63,7 @@ class ScheduledRequest:
     # Draft tokens at the end of token_ids, verified by this step (speculative decoding).
     spec_token_ids: list[int] = field(default_factory=list)
     serial: int | None = None   # the Request's (None: not checked), see Request.serial
+    admitted: bool = False      # admitted (or resumed, swapped in) by this step's schedule
 
 
 class KVCacheLostError(RuntimeError):
@@ -87,8 +88,7 @@ class Scheduler:
         self,
         *,
         block_size: int,
-        num_gpu_blocks: int,
-        num_cpu_blocks: int = 0,
+        num_gpu_blocks: int, num_cpu_blocks: int = 0,
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
@@ -353,10 +353,10 @@ class Scheduler:
             bisect.insort(self.running, request, key=priority_key)
         else:
             self.running.append(request)
-        self._add_scheduled(out, request, num_new)
+        self._add_scheduled(out, request, num_new, admitted=True)
 
     def _add_scheduled(self, out: SchedulerOutput, request: Request, num_new: int,
-                       spec: list[int] = ()) -> None:
+                       spec: list[int] = (), admitted: bool = False) -> None:
         start = request.num_computed_tokens
         end = start + num_new
         all_ids, pending = request.all_token_ids, request.num_output_placeholders
@@ -368,7 +368,7 @@ class Scheduler:
         out.scheduled.append(ScheduledRequest(
             request.request_id, token_ids + spec if spec else token_ids, start,
             self.kv_cache_manager.get_block_table(request), do_sample,
-            len(request.output_token_ids) + pending, spec, request.serial))
+            len(request.output_token_ids) + pending, spec, request.serial, admitted))
         out.num_batched_tokens += num_new + len(spec)
         # Drafts count as computed until update_from_output rejects some; cache_blocks
         # only registers blocks of known tokens, never a draft.

@@ -29,7 +29,7 @@ def prepare_inputs(scheduled, plan, block_size: int, max_blocks_per_seq: int,
     lens = np.fromiter((len(r.token_ids) for r in scheduled), np.int32, num_seqs)
     num_tokens = int(lens.sum())
     decode_only = num_tokens == num_seqs and (
-        not rows_read_own_keys_only or decode_rows_independent(scheduled, prev_rows))
+        not rows_read_own_keys_only or decode_rows_independent(scheduled))
     t, s, decode_only = plan.shape_for(num_tokens, num_seqs, decode_only, ready)
     bs = block_size
     starts = np.fromiter((r.num_computed_tokens for r in scheduled), np.int32, num_seqs)
@@ -62,15 +62,15 @@ def prepare_inputs(scheduled, plan, block_size: int, max_blocks_per_seq: int,
     return arrays, decode_only, s
 
 
-def decode_rows_independent(scheduled, prev_rows: dict[str, int]) -> bool:
+def decode_rows_independent(scheduled) -> bool:
     """Whether no row of a one-token step can read a key that another row writes in
-    the same step: every row's request sampled in the last step (so it was admitted
-    earlier, and the blocks its prefix-cache hit found were written by then; a block
-    is registered in the cache when the step computing it is scheduled, so a request
-    admitted now may hit one another row fills now), and no request has several rows
-    (a speculative verify step's rows share their request's blocks)."""
+    the same step: no row's request was admitted (or resumed) by this step's schedule,
+    and no request has several rows. A block is registered in the prefix cache when
+    the step computing it is scheduled, so a request admitted now may hit a block
+    another row fills now; a speculative verify step's rows share their request's
+    blocks. Requests admitted earlier read only blocks written before this step."""
     ids = [r.request_id for r in scheduled]
-    return len(set(ids)) == len(ids) and all(i in prev_rows for i in ids)
+    return len(set(ids)) == len(ids) and not any(r.admitted for r in scheduled)
 
 
 def max_rows(config) -> int:
