@@ -6,6 +6,7 @@ of KV blocks, say) are computed by the code that needs them and never written ba
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 
 # ConfigError lives in a leaf module so spec_decode.config can raise it; import both
@@ -176,6 +177,12 @@ class EngineConfig:
         if self.speculative_config is not None and self.parallel.num_processes > 1:
             raise ConfigError("speculative_config: not supported across several processes "
                               f"(num_processes={self.parallel.num_processes}); drop one")
+        if self.speculative_config is not None and os.environ.get(
+                "JAXLLM_DECODE_KV_WRITE") == "1":
+            # Draft and verify rows read keys that other rows of their step write.
+            raise ConfigError("speculative_config: not supported with "
+                              "JAXLLM_DECODE_KV_WRITE=1 (the decode kernel writing the KV "
+                              "itself); unset one")
 
     def replace(self, **sections) -> "EngineConfig":
         return dataclasses.replace(self, **sections)
