@@ -143,7 +143,8 @@ def _decode(q, k_cache, v_cache, block_tables, seq_lens, slot_mapping, *, sm_sca
             sliding_window=None, k_scale=1.0, v_scale=1.0, num_q_heads=None,
             blocks_per_step=None, k_splits=None, num_warps=4, num_stages=None,
             per_block=False, dot_dtype=None, spread=False, interpret=False):
-    """(out, k_cache, v_cache); the pools are written when slot_mapping is given."""
+    """(out, k_cache, v_cache), the pools written, when slot_mapping is given; else
+    (out, None, None)."""
     write = slot_mapping is not None
     num_seqs, q_stride, d = q.shape
     hq = num_q_heads or q_stride

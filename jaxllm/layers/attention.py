@@ -59,7 +59,6 @@ class AttentionSpec:
     decode_kv_write: bool = dataclasses.field(
         default_factory=lambda: env_switch("JAXLLM_DECODE_KV_WRITE"))
 
-
     @property
     def folds_kv_write(self) -> bool:
         """Whether pure decode steps run decode_and_write (Pallas, one device): the
