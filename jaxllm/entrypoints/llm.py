@@ -10,10 +10,10 @@ import contextlib
 import dataclasses
 import gc
 import itertools
-import os
 from typing import Sequence
 
 from jaxllm.config import engine_config_from_flat
+from jaxllm.env_switch import env_switch
 from jaxllm.generation_config import get_diff_sampling_param
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import RequestOutputKind, SamplingParams
@@ -139,10 +139,7 @@ def _multiprocessing() -> bool:
     core in a process of its own (engine/core_mp.py); off by default. The process is
     spawned, so a script that builds an LLM guards it with ``if __name__ ==
     "__main__":`` (Python's rule for spawn, as under vLLM)."""
-    value = os.environ.get("JAXLLM_ENABLE_MULTIPROCESSING", "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"JAXLLM_ENABLE_MULTIPROCESSING={value!r}: must be 0 or 1")
-    return value == "1"
+    return env_switch("JAXLLM_ENABLE_MULTIPROCESSING")
 
 
 @contextlib.contextmanager

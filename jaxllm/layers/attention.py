@@ -6,13 +6,13 @@ and KV heads, D head dim, NB pool blocks, BS block size.
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
+from jaxllm.env_switch import env_switch
 from jaxllm.parallel.mesh import TP, tp_size
 from pallas_kernels.ragged_paged_attention import ref_ragged_paged_attention
 from pallas_kernels.reshape_and_cache import ref_reshape_and_cache
@@ -65,14 +65,6 @@ class AttentionSpec:
         runner must then keep a step whose rows read each other's new keys out of the
         decode-only path (input_batch.decode_rows_independent)."""
         return self.decode_kv_write and self.backend == "pallas" and tp_size(self.mesh) <= 1
-
-
-def env_switch(name: str) -> bool:
-    """A 0/1 environment switch, off when unset."""
-    value = os.environ.get(name, "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"{name}={value!r}: 0 or 1 expected")
-    return value == "1"
 
 
 def paged_attention(q, k, v, k_cache, v_cache, md: AttentionMetadata, spec: AttentionSpec):

@@ -20,20 +20,18 @@ On unless JAXLLM_PACK_SMALL_LEAVES=0.
 from __future__ import annotations
 
 import math
-import os
 
 import jax
 import jax.numpy as jnp
+
+from jaxllm.env_switch import env_switch
 
 # Leaves of at most this many elements may be packed.
 MAX_ELEMENTS = 1 << 16
 
 
 def enabled() -> bool:
-    value = os.environ.get("JAXLLM_PACK_SMALL_LEAVES", "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"JAXLLM_PACK_SMALL_LEAVES={value!r}: 0 or 1 expected")
-    return value == "1"
+    return env_switch("JAXLLM_PACK_SMALL_LEAVES", default=True)
 
 
 def flatten(state, pack: bool | None = None):
