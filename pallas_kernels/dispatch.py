@@ -60,10 +60,10 @@ def _with_decode_rows(out, q, k_cache, v_cache, block_tables, seq_lens, query_st
 def decode_qkv(qkv, k_cache, v_cache, md, spec, num_q_heads):
     """A decode-only step in the runner's layout (token i = sequence i) on the fused
     [T, Hq + 2 Hkv, D] q/k/v array: the KV write and the decode kernel read their rows
-    in place (with the spec's ``decode_kv_write``, one kernel does both). Returns
+    in place (with the spec's ``folds_kv_write``, one kernel does both). Returns
     (out [T, Hq, D], k_cache, v_cache)."""
     hkv = k_cache.shape[0]
-    if spec.decode_kv_write:
+    if spec.folds_kv_write:     # the predicate the runner keeps such steps safe by
         return decode_and_write(qkv, k_cache, v_cache, md.block_tables, md.seq_lens,
                                 md.slot_mapping, num_q_heads=num_q_heads,
                                 spread=spec.decode_spread, **_settings(spec))
