@@ -212,6 +212,8 @@ def main(argv=None) -> int:
     checks = {}
     if args.copies is not None and args.copies < 1:
         raise SystemExit(f"--copies {args.copies}: at least 1")
+    if args.layers < 1:
+        raise SystemExit(f"--layers {args.layers}: at least 1")
     for case in cases:
         copies = args.copies or auto_copies(*case[1:], args.layers,
                                             jnp.dtype(kv_dtype).itemsize)

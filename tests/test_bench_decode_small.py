@@ -41,12 +41,13 @@ def test_kv_write_mode_times_both_forms_and_checks_the_pools(tmp_path, monkeypat
     (["--settings", '{"spread": true}'], "a JSON list of objects expected"),
     (["--cases", "8:1:600", "--width", "4"], "needs more than --width 4 blocks"),
     (["--copies", "0"], "--copies 0: at least 1"),
+    (["--layers", "0"], "--layers 0: at least 1"),
     (["--settings", '[{"fold": true}]'], '"fold" goes with --kv-write'),
     (["--kv-write", "--settings", '[{}]'], '"fold" goes with --kv-write'),
 ])
 def test_bad_arguments_are_named(argv, message):
     with pytest.raises(SystemExit, match=message):
-        bench_decode_small.main(argv + ["--layers", "1"])
+        bench_decode_small.main(["--layers", "1"] + argv)
 
 
 def test_pool_copies_keep_two_l2s_of_kv_between_reads():
