@@ -14,6 +14,7 @@ import math
 
 import numpy as np
 
+from jaxllm.layers.quantization.rotation import rotate
 from jaxllm.layers.quantization.schemes import (FP8_MAX, HF_PARTS, INT8_MAX, QKV,
                                                 LinearScheme, QuantConfig)
 from jaxllm.models.errors import CheckpointError
@@ -216,6 +217,8 @@ class QuantWeights:
         nk = len(in_shape)
         w = self.float_array(module)                       # [K..., N...]
         w = np.moveaxis(w, tuple(range(nk)), tuple(range(w.ndim - nk, w.ndim)))
+        if scheme.rotate:               # the layer rotates its input the same way
+            w = rotate(w, nk, scheme.rotate)
         q, s = quantize_per_channel(w, nk, scheme.weight)
         arrays = {"weight": q, "weight_scale": s}
         if scheme.act is not None and not scheme.act.symmetric:

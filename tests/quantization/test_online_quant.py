@@ -2,7 +2,8 @@
 twin): per-output-channel weights quantized at load (RTN, amax / 448 or amax / 127),
 per-token activation scales in the layer (int8: and a zero point per token). Oracle:
 HF transformers (float32) with every projection's weight quantized and dequantized per
-channel in torch and its input quantized per token in a hook. Embeddings and lm_head
+channel in torch and its input quantized per token in a hook (int8: weight and input
+first rotated along K in Hadamard blocks, scipy's matrices). Embeddings and lm_head
 (tied or not) stay float, as in vLLM. Also: the setting is auto-detected from
 quantization_config, and a checkpoint's own method may be named."""
 from __future__ import annotations
@@ -13,11 +14,21 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
+from scipy.linalg import hadamard
 
 import quant_util as qu
 from jaxllm.models.loader import load_model
 
 N = 24
+
+
+def block_rotation(k: int) -> np.ndarray:
+    """The K x K rotation online int8 applies: block-diagonal normalized Hadamard
+    blocks, each the largest power of two up to 64 dividing K."""
+    b = 1
+    while b < 64 and k % (2 * b) == 0:
+        b *= 2
+    return np.kron(np.eye(k // b), hadamard(b) / np.sqrt(b)).astype(np.float32)
 
 
 def rtn_hf(hf, kind: str):
@@ -27,6 +38,10 @@ def rtn_hf(hf, kind: str):
     for name, m in model.named_modules():
         if isinstance(m, torch.nn.Linear) and name != "lm_head":
             w = m.weight.data
+            if kind == "int8":      # x W^T = (x R)(W R)^T: both sides rotated
+                r = torch.from_numpy(block_rotation(w.shape[1]))
+                w = w @ r
+                m.register_forward_pre_hook(lambda mod, args, r=r: (args[0] @ r,))
             s = (w.abs().amax(dim=1, keepdim=True) / qmax).clamp_min(1e-12)
             m.weight.data = qu._fake_quant(w, kind, s)
             m.register_forward_pre_hook(
@@ -55,6 +70,7 @@ def test_online_weights_are_per_channel_rtn(tiny_model):
     q = np.asarray(state[("layers", 1, "mlp", "down_proj", "weight")].get_value())
     s = np.asarray(state[("layers", 1, "mlp", "down_proj", "weight_scale")].get_value())
     w = hf.model.layers[1].mlp.down_proj.weight.detach().numpy()      # [E, F]
+    w = w @ block_rotation(w.shape[1])        # online int8 rotates K first
     np.testing.assert_allclose(s, np.abs(w).max(axis=1) / 127, rtol=1e-6)
     np.testing.assert_array_equal(q, np.clip(np.round(w / s[:, None]), -128, 127))
     assert np.abs(q).max() == 127

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxllm.layers.quantization.rotation import rotate
 from jaxllm.layers.quantization.schemes import FP8_MAX, INT8_MAX, ActScheme, LinearScheme
 from pallas_kernels.common import target_platform, to_f16
 
@@ -327,6 +328,9 @@ class QuantLinear(nnx.Module):
         kernel runs on unsharded weights only)."""
         s = self.scheme
         w, ws = self.weight[...], self.weight_scale[...]
+        dtype = x.dtype
+        if s.rotate:                    # as the weight was at load (rotation.py)
+            x = rotate(x, self.nk, s.rotate).astype(dtype)
         if s.group is not None and use_int4_kernel(s, x.shape[0], tp):
             y = int4_kernel_matmul(x, w, ws, self.weight_zero_point[...], s, self.nk)
         elif s.group is not None:
@@ -348,4 +352,4 @@ class QuantLinear(nnx.Module):
                                         self.input_scale[...] if not s.act.dynamic else None)
             y = quantized_matmul(xq, xs, w, ws, self.nk, native_dot(),
                                  product_dtype=fp8_product_dtype(x.dtype))
-        return y.astype(x.dtype)
+        return y.astype(dtype)

@@ -1,0 +1,59 @@
+"""The Hadamard rotation online int8 applies to each layer's K (rotation.py)."""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy.linalg import hadamard as scipy_hadamard
+
+from jaxllm.layers.quantization.linear import quantize_per_token_asym
+from jaxllm.layers.quantization.rotation import block_size, hadamard, rotate
+from jaxllm.layers.quantization.schemes import online_scheme
+
+
+@pytest.mark.parametrize("k, cap, want", [(4096, 64, 64), (576, 64, 64), (14336, 64, 64),
+                                          (96, 64, 32), (24, 64, 8), (7, 64, 1),
+                                          (1536, 512, 512)])
+def test_block_size_is_the_largest_power_of_two_dividing_k(k, cap, want):
+    assert block_size(k, cap) == want
+
+
+def test_hadamard_is_scipys_normalized_and_its_own_inverse():
+    h = hadamard(64)
+    np.testing.assert_allclose(h, scipy_hadamard(64) / 8, atol=0)
+    np.testing.assert_allclose(h @ h, np.eye(64), atol=1e-6)
+
+
+def test_rotation_keeps_products_and_numpy_and_jax_agree():
+    rng = np.random.default_rng(0)
+    x, w = rng.normal(size=(5, 4, 24)).astype(np.float32), rng.normal(
+        size=(7, 4, 24)).astype(np.float32)                     # K = (4, 24): nk = 2
+    xr, wr = rotate(x, 2, 64), rotate(w, 2, 64)
+    np.testing.assert_allclose(np.einsum("tab,nab->tn", xr, wr),
+                               np.einsum("tab,nab->tn", x, w), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(rotate(jnp.asarray(x), 2, 64)), xr, atol=1e-5)
+    assert not np.allclose(xr, x)
+
+
+def test_rotation_cuts_int8_error_on_outlier_channels():
+    """A token whose range one channel sets (~20x the rms, as in SmolLM2's q/k/v and
+    gate/up inputs) loses far less to per-token int8 once rotated."""
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(16, 256)).astype(np.float32)
+    x[:, 3] += 20.0
+
+    def error(v):
+        q, s, z = quantize_per_token_asym(jnp.asarray(v), 1)
+        back = (np.asarray(q, np.float32) - np.asarray(z)[:, None]) * np.asarray(s)[:, None]
+        return np.linalg.norm(back - v) / np.linalg.norm(v)
+    assert error(rotate(x, 1, 64)) < 0.5 * error(x)
+
+
+def test_online_int8_rotates_and_fp8_does_not(monkeypatch):
+    assert online_scheme("int8").rotate == 64 and online_scheme("fp8").rotate == 0
+    assert "Hadamard" in online_scheme("int8").describe()
+    monkeypatch.setenv("JAXLLM_INT8_ROTATION", "0")
+    assert online_scheme("int8").rotate == 0
+    monkeypatch.setenv("JAXLLM_INT8_ROTATION", "yes")
+    with pytest.raises(ValueError, match="JAXLLM_INT8_ROTATION='yes': 0 or 1 expected"):
+        online_scheme("int8")
