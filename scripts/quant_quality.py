@@ -1,7 +1,8 @@
 """Quantization quality on the real default model (SmolLM2-135M-Instruct, its GGUF's
 weights dequantized to float32): perplexity of a fixed text through prompt_logprobs,
 for the float model, for jaxllm's own --quantization fp8 and int8 (W8A8: RTN
-per-channel weights, per-token activation scales, int8 with a zero point per token),
+per-channel weights, per-token activation scales, int8 with a zero point per token and
+K rotated in Hadamard blocks unless JAXLLM_INT8_ROTATION=0),
 and for 4-bit RTN in asymmetric groups of 128 (written as a GPTQ folder and loaded
 through jaxllm's GPTQ path). The issue's bar: FP8 and INT8 within 2% of the float
 model's perplexity, judged on two fixed texts together: TEXT below (723 tokens, the
