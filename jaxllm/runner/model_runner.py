@@ -51,7 +51,7 @@ class ModelRunner:
         self.config = config
         self.hidden_layers = hidden_layers
         self.arch = loaded.arch
-        self.graphdef, self.state = loaded.graphdef, loaded.state
+        self.graphdef, self.state, self.quant = loaded.graphdef, loaded.state, loaded.quant
         self.mesh = mesh
         self.block_size = config.cache.block_size
         self.max_model_len = max_model_len
@@ -94,7 +94,7 @@ class ModelRunner:
                 or executable_store.max_bytes() == 0):
             return None
         kv_dtype = kv_cache.cache_dtype(self.config.cache, self.model_dtype)
-        static = [repr(self.arch), repr(self.spec), str(layout),
+        static = [repr(self.arch), repr(self.spec), str(layout), repr(self.quant),
                   executable_store.signature(self.params), repr(self.plan),
                   f"block_size={self.block_size} kv_dtype={kv_dtype} max_model_len="
                   f"{self.max_model_len} step donates (1, 4), sampler (3,), out_shardings="

@@ -155,6 +155,16 @@ def test_what_changes_the_program_changes_the_key(first, monkeypatch):
         assert keys and not keys & stored                   # all misses: compiled again
 
 
+def test_quantization_scheme_is_in_the_key(first, monkeypatch):
+    """Online int8 with and without its rotation: the same weight shapes and dtypes, but
+    a program that rotates its inputs must not serve weights that were not rotated."""
+    folder, cache, _, _ = first
+    rotated = warm_up_keys(folder, cache, quantization="int8")
+    monkeypatch.setenv("JAXLLM_INT8_ROTATION", "0")
+    plain = warm_up_keys(folder, cache, quantization="int8")
+    assert rotated and plain and not rotated & plain
+
+
 def test_corrupt_entries_are_ignored_and_compiled_again(first, tmp_path, caplog):
     folder, cache, _, tokens = first
     copy = str(tmp_path / "xla")

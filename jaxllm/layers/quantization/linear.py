@@ -329,8 +329,8 @@ class QuantLinear(nnx.Module):
         s = self.scheme
         w, ws = self.weight[...], self.weight_scale[...]
         dtype = x.dtype
-        if s.rotate:                    # as the weight was at load (rotation.py)
-            x = rotate(x, self.nk, s.rotate).astype(dtype)
+        if s.rotate:    # as the weight was at load (rotation.py); f32 into the quantization
+            x = rotate(x, self.nk, s.rotate)
         if s.group is not None and use_int4_kernel(s, x.shape[0], tp):
             y = int4_kernel_matmul(x, w, ws, self.weight_zero_point[...], s, self.nk)
         elif s.group is not None:

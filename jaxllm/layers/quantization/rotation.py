@@ -46,6 +46,8 @@ def rotate(x, nk: int, cap: int):
     k = math.prod(x.shape[x.ndim - nk:])
     b = block_size(k, cap)
     lead = x.shape[:x.ndim - nk]
+    if b == 1:                      # an odd K: nothing to rotate
+        return x
     if isinstance(x, np.ndarray):
         y = np.asarray(x, np.float32).reshape(lead + (k // b, b)) @ hadamard(b)
         return y.reshape(x.shape)
