@@ -16,7 +16,6 @@ import re
 from jaxllm.layers.quantization.schemes import (CHECKPOINT_METHODS, ONLINE_METHODS,
                                                 ActScheme, LinearScheme, QuantConfig,
                                                 online_scheme, unfuse_qkv, uniform_config)
-from jaxllm.layers.quantization.rotation import ROTATION_BLOCK, block_size
 from jaxllm.models.errors import CheckpointError
 from jaxllm.models.quant_layers import layer_schemes, mixed_skip_error, unless_skipped
 
@@ -70,15 +69,6 @@ def resolve_for_tp(hf: dict | None, flag: str | None, arch, source: str, tp: int
     quant = resolve_quantization(hf, flag, arch.num_layers, source, dummy=dummy)
     if quant is not None and arch.num_kv_heads % tp:
         quant = dataclasses.replace(quant, schemes=unfuse_qkv(quant.schemes))
-    if quant is not None and tp > 1 and any(s.rotate for _, s in quant.schemes):
-        # Row-parallel layers hold K / tp columns each: a rotation block must not
-        # straddle two devices (XLA would gather the whole input first).
-        cap = min(block_size(k // tp, ROTATION_BLOCK) if k % tp == 0 else 1
-                  for k in (arch.num_heads * arch.head_dim, arch.intermediate_size))
-        quant = dataclasses.replace(quant, schemes=tuple(
-            (m, dataclasses.replace(s, rotate=min(s.rotate, cap) if cap > 1 else 0)
-             if s.rotate else s)
-            for m, s in quant.schemes))
     return quant
 
 

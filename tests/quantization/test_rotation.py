@@ -1,8 +1,6 @@
 """The Hadamard rotation online int8 applies to each layer's K (rotation.py)."""
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -11,7 +9,6 @@ from scipy.linalg import hadamard as scipy_hadamard
 from jaxllm.layers.quantization.linear import quantize_per_token_asym
 from jaxllm.layers.quantization.rotation import block_size, hadamard, rotate
 from jaxllm.layers.quantization.schemes import online_scheme
-from jaxllm.models.quant_config import resolve_for_tp
 
 
 @pytest.mark.parametrize("k, cap, want", [(4096, 64, 64), (576, 64, 64), (14336, 64, 64),
@@ -61,13 +58,3 @@ def test_online_int8_rotates_and_fp8_does_not(monkeypatch):
     with pytest.raises(ValueError, match="JAXLLM_INT8_ROTATION='yes': 0 or 1 expected"):
         online_scheme("int8")
 
-
-@pytest.mark.parametrize("inter, tp, want", [(14336, 8, 64), (11008, 8, 32), (11008, 1, 64),
-                                             (11008, 3, 0), (12288, 2, 64)])
-def test_tensor_parallel_blocks_stay_within_a_device(inter, tp, want):
-    """Row-parallel layers (o, down) hold K / tp columns on each device: the rotation's
-    block divides that, or the layers are not rotated at all."""
-    arch = SimpleNamespace(num_layers=2, num_kv_heads=8, num_heads=32, head_dim=128,
-                           intermediate_size=inter)
-    quant = resolve_for_tp(None, "int8", arch, "test", tp)
-    assert {s.rotate for _, s in quant.schemes} == {want}

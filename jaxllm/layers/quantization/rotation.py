@@ -42,7 +42,7 @@ def hadamard(b: int) -> np.ndarray:
 
 def rotate(x, nk: int, cap: int):
     """x [..., K...] times the block-diagonal rotation over its last nk dims flattened
-    (in float32; same shape). A numpy x gives a numpy result."""
+    (float32, same shape; x itself where K is odd). A numpy x gives a numpy result."""
     k = math.prod(x.shape[x.ndim - nk:])
     b = block_size(k, cap)
     lead = x.shape[:x.ndim - nk]
