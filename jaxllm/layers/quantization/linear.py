@@ -351,5 +351,5 @@ class QuantLinear(nnx.Module):
             xq, xs = quantize_per_token(x, self.nk, s.act,
                                         self.input_scale[...] if not s.act.dynamic else None)
             y = quantized_matmul(xq, xs, w, ws, self.nk, native_dot(),
-                                 product_dtype=fp8_product_dtype(x.dtype))
+                                 product_dtype=fp8_product_dtype(dtype))
         return y.astype(dtype)
