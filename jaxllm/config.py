@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 # ConfigError lives in a leaf module so spec_decode.config can raise it; import both
 # from here.
 from jaxllm.config_error import ConfigError
-from jaxllm.env_switch import env_switch
 from jaxllm.spec_decode.config import SpeculativeConfig
 
 
@@ -177,11 +176,6 @@ class EngineConfig:
         if self.speculative_config is not None and self.parallel.num_processes > 1:
             raise ConfigError("speculative_config: not supported across several processes "
                               f"(num_processes={self.parallel.num_processes}); drop one")
-        if self.speculative_config is not None and env_switch("JAXLLM_DECODE_KV_WRITE"):
-            # Draft and verify rows read keys that other rows of their step write.
-            raise ConfigError("speculative_config: not supported with "
-                              "JAXLLM_DECODE_KV_WRITE=1 (the decode kernel writing the KV "
-                              "itself); unset one")
 
     def replace(self, **sections) -> "EngineConfig":
         return dataclasses.replace(self, **sections)

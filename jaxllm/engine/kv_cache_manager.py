@@ -10,9 +10,9 @@ scheduled and their tokens are known (``cache_blocks``, called when a request is
 scheduled and again when its sampled token is read back). A hit is then valid KV by
 the time it is read: device steps run in launch order, and within a step each layer
 writes the step's new KV into the pool before its attention reads the pool. (A decode
-kernel that writes the KV itself, JAXLLM_DECODE_KV_WRITE=1, breaks that order, so the
-runner keeps steps with a row admitted by their schedule, ScheduledRequest.admitted,
-out of it.)
+kernel that writes the KV itself, the default unless JAXLLM_DECODE_KV_WRITE=0, breaks
+that order, so the runner keeps steps with a row admitted by their schedule,
+ScheduledRequest.admitted, out of it.)
 """
 
 from __future__ import annotations

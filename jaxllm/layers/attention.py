@@ -49,15 +49,18 @@ class AttentionSpec:
     # Tensor parallelism: attention runs per shard over this mesh's `tp` axis (None or
     # a one-device mesh: unsharded). A Mesh is hashable, so the spec stays static.
     mesh: Mesh | None = None
-    # Pallas decode-step options, each off until the H200 measures it (docs/kernels.md):
+    # Pallas decode-step options (docs/kernels.md; H200 figures in docs/benchmarks.md):
     # spread: share the decode kernel's programs among the live sequences
-    # (paged_attention_decode's ``spread``; JAXLLM_DECODE_SPREAD=1); kv_write: the decode
-    # kernel writes the step's keys and values itself, one kernel a layer fewer
-    # (decode_and_write; JAXLLM_DECODE_KV_WRITE=1).
+    # (paged_attention_decode's ``spread``; JAXLLM_DECODE_SPREAD=1), off: the 8B fp8
+    # decode-1 step measured slower with it; kv_write: the decode kernel writes the
+    # step's keys and values itself, one kernel a layer fewer (decode_and_write), on
+    # unless JAXLLM_DECODE_KV_WRITE=0: the 8B decode-1 step 2.1% (fp8) / 1.5% (bf16)
+    # faster with it. The EAGLE draft model writes apart (its rows read keys that other
+    # rows of their step write).
     decode_spread: bool = dataclasses.field(
         default_factory=lambda: env_switch("JAXLLM_DECODE_SPREAD"))
     decode_kv_write: bool = dataclasses.field(
-        default_factory=lambda: env_switch("JAXLLM_DECODE_KV_WRITE"))
+        default_factory=lambda: env_switch("JAXLLM_DECODE_KV_WRITE", True))
 
     @property
     def folds_kv_write(self) -> bool:

@@ -111,7 +111,9 @@ class EagleProposer:
         shared = {id(x) for x in shared}
         self._own = [x for x in self._leaves if id(x) not in shared]
         self.dtype = state["embed_tokens"].get_value().dtype    # not d2t's int32
-        spec = AttentionSpec(sm_scale=cfg.arch.head_dim ** -0.5, mesh=mesh)
+        # The draft's rows read keys other rows of their step write: KV written apart.
+        spec = AttentionSpec(sm_scale=cfg.arch.head_dim ** -0.5, mesh=mesh,
+                             decode_kv_write=False)
         args = (graphdef, treedef, spec, self.plan.max_seqs)
         # Fixed output shardings: the next head step (and the warm-up's padding inputs)
         # pass arrays of the same shardings, so each call finds the warm-up's program.

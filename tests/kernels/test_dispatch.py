@@ -102,13 +102,16 @@ def test_decode_step_options_match_reference(fused, options):
     assert same_bits(got[1], want[1]) and same_bits(got[2], want[2])
 
 
-@pytest.mark.parametrize("name,field", [("JAXLLM_DECODE_SPREAD", "decode_spread"),
-                                        ("JAXLLM_DECODE_KV_WRITE", "decode_kv_write")])
-def test_decode_option_switches(monkeypatch, name, field):
+@pytest.mark.parametrize("name,field,default", [
+    ("JAXLLM_DECODE_SPREAD", "decode_spread", False),
+    ("JAXLLM_DECODE_KV_WRITE", "decode_kv_write", True)])
+def test_decode_option_switches(monkeypatch, name, field, default):
     monkeypatch.delenv(name, raising=False)
-    assert getattr(AttentionSpec(sm_scale=1.0), field) is False
+    assert getattr(AttentionSpec(sm_scale=1.0), field) is default
     monkeypatch.setenv(name, "1")
     assert getattr(AttentionSpec(sm_scale=1.0), field) is True
+    monkeypatch.setenv(name, "0")
+    assert getattr(AttentionSpec(sm_scale=1.0), field) is False
     monkeypatch.setenv(name, "yes")
     with pytest.raises(ValueError, match=f"{name}='yes': 0 or 1 expected"):
         AttentionSpec(sm_scale=1.0)
@@ -118,5 +121,6 @@ def test_the_runner_guards_decode_steps_only_where_the_write_is_folded():
     """folds_kv_write: the KV write option on the Pallas backend on one device; the
     reference backend (and tensor parallelism) write apart whatever the option says."""
     assert AttentionSpec(sm_scale=1.0, backend="pallas", decode_kv_write=True).folds_kv_write
-    assert not AttentionSpec(sm_scale=1.0, backend="pallas").folds_kv_write
+    assert not AttentionSpec(sm_scale=1.0, backend="pallas",
+                             decode_kv_write=False).folds_kv_write
     assert not AttentionSpec(sm_scale=1.0, decode_kv_write=True).folds_kv_write

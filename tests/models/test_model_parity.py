@@ -110,6 +110,23 @@ def test_decode_step_options_keep_greedy_parity(tiny_model, monkeypatch):
     _assert_greedy_matches_hf(llm, hf, "llama")
 
 
+def test_speculation_with_the_kv_write_default_keeps_greedy_parity(tiny_model, monkeypatch):
+    """The decode kernel's KV write on (the default) under ngram speculation, Pallas in
+    interpret mode: the same greedy tokens as HF. Verify steps (k + 1 one-token rows of
+    a request) must write apart; interpret mode runs the programs in order and so
+    cannot show a missing guard, which tests/runner/test_input_batch.py checks."""
+    from jaxllm import LLM
+    monkeypatch.delenv("JAXLLM_DECODE_KV_WRITE", raising=False)
+    folder, hf = tiny_model("llama")
+    llm = LLM(folder, dtype="float32", max_model_len=512, max_num_seqs=4,
+              max_num_batched_tokens=64, enforce_eager=True, cpu_kv_cache_bytes=8 << 20,
+              attention_backend="pallas", speculative_config={
+                  "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
+    assert llm.llm_engine.runner.spec.folds_kv_write
+    _assert_greedy_matches_hf(llm, hf, "llama")
+    assert llm.llm_engine.engine_core.spec_stats.num_draft_tokens > 0
+
+
 def _assert_greedy_matches_hf(llm, hf, arch):
     from jaxllm import SamplingParams
     rng = np.random.default_rng(2)
