@@ -58,3 +58,33 @@ def test_online_int8_rotates_and_fp8_does_not(monkeypatch):
     with pytest.raises(ValueError, match="JAXLLM_INT8_ROTATION='yes': 0 or 1 expected"):
         online_scheme("int8")
 
+
+
+@pytest.mark.parametrize("in_shape", [(256,), (4, 64)], ids=["k", "heads"])
+def test_layer_takes_the_rotate_quantize_kernel_on_one_gpu(monkeypatch, in_shape):
+    """A rotated int8 layer on one GPU (forced here; the kernel interpreted) quantizes its
+    input through pallas_kernels/rotate_quant.py and computes what the XLA path does;
+    under tensor parallelism, or for an f32 input, it keeps the XLA path."""
+    from flax import nnx
+
+    from jaxllm.layers.quantization import linear
+    from pallas_kernels import rotate_quant
+    nnx.use_eager_sharding(False)       # as the models set it (jaxllm/models/llama.py)
+    scheme = online_scheme("int8")
+    layer = linear.QuantLinear(scheme, (96,), in_shape, (None,), (None,) * len(in_shape))
+    rng = np.random.default_rng(0)
+    layer.weight[...] = jnp.asarray(rng.integers(-127, 128, (96,) + in_shape), jnp.int8)
+    layer.weight_scale[...] = jnp.asarray(rng.uniform(0.01, 0.02, 96), jnp.float32)
+    layer.azp_adj[...] = jnp.sum(layer.weight[...].astype(jnp.float32).reshape(96, -1), 1)
+    x = jnp.asarray(rng.standard_normal((8,) + in_shape) * 3, jnp.bfloat16)
+    want = np.asarray(layer(x, tp=1), np.float32)
+    calls = []
+    real = rotate_quant.rotate_quantize
+    monkeypatch.setattr(rotate_quant, "rotate_quantize",
+                        lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    monkeypatch.setattr(linear, "on_gpu", lambda: True)
+    assert not linear.use_rotate_kernel(scheme, x, tp=2)
+    assert not linear.use_rotate_kernel(scheme, x.astype(jnp.float32), tp=1)
+    got = np.asarray(layer(x, tp=1), np.float32)
+    assert calls == [{"interpret": True}]
+    np.testing.assert_array_equal(got, want)

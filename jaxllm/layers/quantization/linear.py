@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxllm.layers.quantization.rotation import rotate
+from jaxllm.layers.quantization.rotation import block_size, hadamard, rotate
 from jaxllm.layers.quantization.schemes import FP8_MAX, INT8_MAX, ActScheme, LinearScheme
 from pallas_kernels.common import target_platform, to_f16
 
@@ -287,6 +287,31 @@ def weight_only_matmul(x, wq, w_scale, nk: int):
                                preferred_element_type=jnp.float32) * w_scale
 
 
+def use_rotate_kernel(scheme: LinearScheme, x, tp: int | None = None) -> bool:
+    """Whether a rotated asymmetric int8 layer rotates and quantizes its input in one
+    Pallas kernel (pallas_kernels/rotate_quant.py) instead of XLA's four kernels: on
+    one GPU (a row-parallel layer's input is sharded along K, and the token's range
+    spans the shards), for a 16-bit input whose block the kernel takes (16 or 64)."""
+    from pallas_kernels import rotate_quant
+    if not (scheme.rotate and scheme.act is not None and not scheme.act.symmetric
+            and on_gpu() and _unsharded(tp)):
+        return False
+    k = math.prod(x.shape[1:])
+    return rotate_quant.supported(x.dtype, k, block_size(k, scheme.rotate))
+
+
+def rotate_quantize_asym(x, scheme: LinearScheme):
+    """x [T, K...] -> quantize_per_token_asym(rotate(x)) through the kernel: (int8
+    [T, K...], f32 scale [T], f32 zero point [T])."""
+    from pallas_kernels.rotate_quant import rotate_quantize   # Triton lowering, lazily
+    t = x.shape[0]
+    k = math.prod(x.shape[1:])
+    h = jnp.asarray(hadamard(block_size(k, scheme.rotate)))
+    xq, scale, zero = rotate_quantize(x.reshape(t, k), h,
+                                      interpret=target_platform() == "cpu")
+    return xq.reshape(x.shape), scale, zero
+
+
 def fp8_product_dtype(x_dtype):
     """An fp8 layer's GEMM output (quantized_matmul): bf16 in a bf16 layer, else f32
     (f16 has not the range of the unscaled product)."""
@@ -329,6 +354,10 @@ class QuantLinear(nnx.Module):
         s = self.scheme
         w, ws = self.weight[...], self.weight_scale[...]
         dtype = x.dtype
+        if use_rotate_kernel(s, x, tp):     # rotation and quantization in one kernel
+            xq, xs, xz = rotate_quantize_asym(x, s)
+            y = quantized_matmul(xq, xs, w, ws, self.nk, native_dot(), xz, self.azp_adj[...])
+            return y.astype(dtype)
         if s.rotate:    # as the weight was at load (rotation.py); f32 into the quantization
             x = rotate(x, self.nk, s.rotate)
         if s.group is not None and use_int4_kernel(s, x.shape[0], tp):
