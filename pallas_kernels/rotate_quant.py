@@ -14,9 +14,13 @@ its entries, +-1/sqrt(B), are exact in bf16 and f16), C blocks per tile.
 
 The rotation is a dot of a [C, B] tile of x with the [B, B] matrix, both in x's
 16-bit dtype (exact products), summed in f32: the reference's f32 einsum up to the
-order of its sums. Rounding half to even is built from floor (Pallas' Triton lowering
-has no round op): floor(y + 0.5), less one where that was a tie rounded up to an odd
-value; exact for |y| < 2^22.
+order of its sums. On a GPU, Triton's f32 division may also differ from XLA's in
+the last bit, so a value at a rounding boundary can land one level apart from the
+XLA path's (in interpret mode they are equal).
+
+Rounding half to even is built from floor (Pallas' Triton lowering has no round op):
+floor(y + 0.5), less one where that was a tie rounded up to an odd value; exact for
+|y| < 2^22.
 """
 from __future__ import annotations
 
@@ -83,7 +87,8 @@ def rotate_quantize(x, h, *, num_warps=4, interpret=False):
     if not supported(x.dtype, k, b) or h.shape != (b, b):
         raise ValueError(f"x {x.dtype} [{t}, {k}] with a {h.shape} block: a 16-bit x "
                          f"and a block of {' or '.join(map(str, BLOCKS))} dividing K")
-    c = min(TILE // b, common.next_pow2(k // b))      # blocks a tile, a power of two
+    # Blocks a tile: a power of two, at least 16 (a Triton dot's rows).
+    c = min(TILE // b, max(16, common.next_pow2(k // b)))
     tiles = common.cdiv(k // b, c)
     kernel = functools.partial(_kernel, k=k, b=b, c=c, tiles=tiles)
     full = lambda s: pl.BlockSpec(s, lambda i: (0,) * len(s))  # noqa: E731
@@ -105,12 +110,14 @@ def _kernel(x_ref, h_ref, q_ref, s_ref, z_ref, *, k, b, c, tiles):
     groups, cols = jnp.arange(c), jnp.arange(b)
 
     def tile(i):
-        """Tile i's [C, B] rotated values (f32), its element offsets and its mask."""
+        """Tile i's [C, B] rotated values (f32), its blocks' indices and its mask. The
+        block index is clamped before the columns are added, so each block's B offsets
+        stay contiguous (vectorized loads and stores)."""
         g = i * c + groups
-        offs = g[:, None] * b + cols[None, :]
         ok = (g < k // b)[:, None] & (cols < b)[None, :]
-        xt = plgpu.load(x_ref.at[row, jnp.minimum(offs, k - 1)], mask=ok, other=0)
-        return plgpu.dot(xt, h), offs, ok
+        offs = jnp.minimum(g, k // b - 1)[:, None] * b + cols[None, :]
+        xt = plgpu.load(x_ref.at[row, offs], mask=ok, other=0)
+        return plgpu.dot(xt, h), g, ok
 
     def bounds(i, lohi):
         y, _, _ = tile(i)      # masked lanes are 0, inside the widened range already
@@ -120,10 +127,11 @@ def _kernel(x_ref, h_ref, q_ref, s_ref, z_ref, *, k, b, c, tiles):
     scale, zero = asym_params(lo, hi)
 
     def write(i, carry):
-        y, offs, ok = tile(i)
+        y, g, ok = tile(i)
         q = jnp.clip(rint(y / scale) + zero, -INT8_MAX - 1, INT8_MAX)
-        # Masked lanes point out of bounds (as common.store_rows), never at a real value.
-        plgpu.store(q_ref.at[row, jnp.where(ok, offs, k)], q.astype(jnp.int8), mask=ok)
+        # Masked blocks point past K (as common.store_rows), never at a real value.
+        offs = jnp.minimum(g, k // b)[:, None] * b + cols[None, :]
+        plgpu.store(q_ref.at[row, offs], q.astype(jnp.int8), mask=ok)
         return carry
 
     lax.fori_loop(0, tiles, write, 0)

@@ -78,8 +78,9 @@ def _decode_step_fn(spec, md, fused):
     return lambda *a: paged_attention(*a, md, spec), lambda *a: a
 
 
-@pytest.mark.parametrize("options", [dict(decode_spread=True), dict(decode_kv_write=True),
-                                     dict(decode_spread=True, decode_kv_write=True)], ids=str)
+@pytest.mark.parametrize("options", [
+    dict(decode_kv_write=False), dict(decode_spread=True, decode_kv_write=False),
+    dict(decode_kv_write=True), dict(decode_spread=True, decode_kv_write=True)], ids=str)
 @pytest.mark.parametrize("fused", [False, True])
 def test_decode_step_options_match_reference(fused, options):
     """The spec's decode options on both pure-decode paths (q/k/v apart and fused): the

@@ -59,8 +59,9 @@ def test_refuses_what_it_does_not_take():
                         interpret=True)
 
 
-@pytest.mark.parametrize("t", [8, 256])
-@pytest.mark.parametrize("k", [4096, 14336])
-def test_lowers_for_cuda_at_8b_shapes(t, k):
-    text = lower_for_cuda(rotate_quantize, SD((t, k), jnp.bfloat16), SD((64, 64), jnp.bfloat16))
+@pytest.mark.parametrize("t,k,b", [(8, 4096, 64), (256, 4096, 64), (8, 14336, 64),
+                                   (256, 14336, 64), (8, 64, 64), (8, 576, 64), (8, 64, 16)])
+def test_lowers_for_cuda(t, k, b):
+    """The 8B shapes, and K under 16 blocks (a tile's dot still has 16 rows)."""
+    text = lower_for_cuda(rotate_quantize, SD((t, k), jnp.bfloat16), SD((b, b), jnp.bfloat16))
     assert "__gpu$xla.gpu.triton" in text and f"grid_x = {t}" in text

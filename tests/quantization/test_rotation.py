@@ -59,7 +59,6 @@ def test_online_int8_rotates_and_fp8_does_not(monkeypatch):
         online_scheme("int8")
 
 
-
 @pytest.mark.parametrize("in_shape", [(256,), (4, 64)], ids=["k", "heads"])
 def test_layer_takes_the_rotate_quantize_kernel_on_one_gpu(monkeypatch, in_shape):
     """A rotated int8 layer on one GPU (forced here; the kernel interpreted) quantizes its
@@ -83,8 +82,15 @@ def test_layer_takes_the_rotate_quantize_kernel_on_one_gpu(monkeypatch, in_shape
     monkeypatch.setattr(rotate_quant, "rotate_quantize",
                         lambda *a, **kw: calls.append(kw) or real(*a, **kw))
     monkeypatch.setattr(linear, "on_gpu", lambda: True)
-    assert not linear.use_rotate_kernel(scheme, x, tp=2)
-    assert not linear.use_rotate_kernel(scheme, x.astype(jnp.float32), tp=1)
+    nk = len(in_shape)
+    assert not linear.use_rotate_kernel(scheme, x, nk, tp=2)
+    assert not linear.use_rotate_kernel(scheme, x.astype(jnp.float32), nk, tp=1)
+    monkeypatch.setitem(linear.WEIGHT_ONLY_ROWS, "int8", 16)
+    assert not linear.use_rotate_kernel(scheme, x, nk, tp=1)      # weight-only steps
+    monkeypatch.setitem(linear.WEIGHT_ONLY_ROWS, "int8", 0)
+    monkeypatch.setenv("JAXLLM_INT8_ROTATE_KERNEL", "0")
+    assert not linear.use_rotate_kernel(scheme, x, nk, tp=1)
+    monkeypatch.delenv("JAXLLM_INT8_ROTATE_KERNEL")
     got = np.asarray(layer(x, tp=1), np.float32)
     assert calls == [{"interpret": True}]
     np.testing.assert_array_equal(got, want)

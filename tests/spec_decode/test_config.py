@@ -215,5 +215,10 @@ def test_speculation_runs_with_the_decode_kernel_writing_the_kv(monkeypatch):
     """Allowed: verify steps (k + 1 one-token rows of a request) write apart
     (input_batch.decode_rows_independent), and so does the EAGLE head
     (spec_decode/eagle.py); tests/models/test_model_parity.py runs it end to end."""
-    monkeypatch.setenv("JAXLLM_DECODE_KV_WRITE", "1")
-    assert EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    for value in (None, "1"):           # the default, and set
+        if value is None:
+            monkeypatch.delenv("JAXLLM_DECODE_KV_WRITE", raising=False)
+        else:
+            monkeypatch.setenv("JAXLLM_DECODE_KV_WRITE", value)
+        assert EngineConfig(speculative_config={"method": "ngram",
+                                                "num_speculative_tokens": 2})

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxllm.env_switch import env_switch
 from jaxllm.layers.quantization.rotation import block_size, hadamard, rotate
 from jaxllm.layers.quantization.schemes import FP8_MAX, INT8_MAX, ActScheme, LinearScheme
 from pallas_kernels.common import target_platform, to_f16
@@ -287,17 +288,21 @@ def weight_only_matmul(x, wq, w_scale, nk: int):
                                preferred_element_type=jnp.float32) * w_scale
 
 
-def use_rotate_kernel(scheme: LinearScheme, x, tp: int | None = None) -> bool:
-    """Whether a rotated asymmetric int8 layer rotates and quantizes its input in one
-    Pallas kernel (pallas_kernels/rotate_quant.py) instead of XLA's four kernels: on
-    one GPU (a row-parallel layer's input is sharded along K, and the token's range
-    spans the shards), for a 16-bit input whose block the kernel takes (16 or 64)."""
+def use_rotate_kernel(scheme: LinearScheme, x, nk: int, tp: int | None = None) -> bool:
+    """Whether a rotated layer with per-token asymmetric int8 inputs (online int8)
+    rotates and quantizes its input in one Pallas kernel (pallas_kernels/rotate_quant.py)
+    instead of XLA's four kernels: on one GPU (a row-parallel layer's input is sharded
+    along K, and the token's range spans the shards), for a 16-bit input whose block
+    the kernel takes (16 or 64), unless JAXLLM_INT8_ROTATE_KERNEL=0."""
     from pallas_kernels import rotate_quant
-    if not (scheme.rotate and scheme.act is not None and not scheme.act.symmetric
-            and on_gpu() and _unsharded(tp)):
+    a = scheme.act
+    if not (scheme.rotate and a is not None and a.dynamic and not a.symmetric
+            and scheme.group is None and scheme.block is None and on_gpu() and _unsharded(tp)
+            and not use_weight_only(scheme, x.shape[0])
+            and env_switch("JAXLLM_INT8_ROTATE_KERNEL", True)):
         return False
-    k = math.prod(x.shape[1:])
-    return rotate_quant.supported(x.dtype, k, block_size(k, scheme.rotate))
+    k = math.prod(x.shape[x.ndim - nk:])
+    return x.ndim == nk + 1 and rotate_quant.supported(x.dtype, k, block_size(k, scheme.rotate))
 
 
 def rotate_quantize_asym(x, scheme: LinearScheme):
@@ -354,7 +359,7 @@ class QuantLinear(nnx.Module):
         s = self.scheme
         w, ws = self.weight[...], self.weight_scale[...]
         dtype = x.dtype
-        if use_rotate_kernel(s, x, tp):     # rotation and quantization in one kernel
+        if use_rotate_kernel(s, x, self.nk, tp):    # rotation and quantization in one kernel
             xq, xs, xz = rotate_quantize_asym(x, s)
             y = quantized_matmul(xq, xs, w, ws, self.nk, native_dot(), xz, self.azp_adj[...])
             return y.astype(dtype)
