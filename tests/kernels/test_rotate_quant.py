@@ -41,7 +41,10 @@ def test_kernel_matches_reference_and_the_layer_path(t, k, b, dtype):
     assert q.dtype == jnp.int8 and q.shape == (t, k) and s.shape == z.shape == (t,)
     np.testing.assert_allclose(s, rs, rtol=1e-6)
     assert np.array_equal(z, rz)
-    assert np.array_equal(q, rq)
+    # The kernel's dot sums in its own order: a value at a rounding boundary may land
+    # one level over (scripts/check_rotate_quant.py counts them on a GPU).
+    d = np.abs(np.asarray(q, np.int32) - np.asarray(rq, np.int32))
+    assert d.max() <= 1 and (d > 0).sum() <= max(1, d.size // 10_000)
     assert np.all(np.asarray(q[-1]) == np.asarray(z[-1]))      # zeros stay exactly zero
 
 
