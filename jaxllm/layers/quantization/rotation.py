@@ -12,7 +12,8 @@ projection input (deviceless H200 compile of the 8B int8 decode step: 25 kernels
 layer, 20 unrotated before the KV write moved into the decode kernel; on the H200
 the step took 14% longer); on one GPU a layer with a 16-bit input rotates and
 quantizes it in one Pallas kernel instead (linear.use_rotate_kernel,
-pallas_kernels/rotate_quant.py: 15 a layer). JAXLLM_INT8_ROTATION=0 turns it off.
+pallas_kernels/rotate_quant.py: 15 a layer; on the H100 the decode step took 4.73 ms
+against 5.28 through XLA). JAXLLM_INT8_ROTATION=0 turns it off.
 
 Works on numpy arrays (the loader) and jax arrays (the layer) alike.
 """
