@@ -7,8 +7,8 @@ each executable by what could change its program instead, and keeps it serialize
 (`jax.experimental.serialize_executable`) under `<compilation cache dir>/
 jaxllm-executables/<key>.bin`:
 
-- jax / jaxlib / PJRT plugin versions, XLA_FLAGS and the jax flags that change a
-  lowering; the platform, its version, the device kind and count, the process count;
+- jax / jaxlib / PJRT plugin versions, XLA_FLAGS, the jax flags that change a
+  lowering and the JAXLLM_* switches read while tracing (TRACE_SWITCHES); the platform, its version, the device kind and count, the process count;
   the mesh's shape and device ids;
 - the structure, shapes, dtypes and shardings of every argument (weights, KV pool,
   the bucket's inputs) and the static arguments (attention spec, sampler flags);
@@ -99,10 +99,16 @@ def signature(tree) -> str:
     return "\n".join(rows)
 
 
+# JAXLLM_* switches read while tracing that no key part records otherwise (the
+# attention spec's and the quantization config's switches are in their reprs).
+TRACE_SWITCHES = ("JAXLLM_INT8_ROTATE_KERNEL",)
+
+
 def environment(mesh) -> list[str]:
     """What ties an executable to this process's software and devices."""
     dev = mesh.devices.flat[0]
     return [*_versions(), os.environ.get("XLA_FLAGS", ""),
+            *(f"{n}={os.environ.get(n, '')}" for n in TRACE_SWITCHES),
             f"x64={jax.config.jax_enable_x64}",
             f"precision={jax.config.jax_default_matmul_precision}",
             dev.platform, dev.client.platform_version, dev.device_kind,
