@@ -8,8 +8,9 @@ each executable by what could change its program instead, and keeps it serialize
 jaxllm-executables/<key>.bin`:
 
 - jax / jaxlib / PJRT plugin versions, XLA_FLAGS, the jax flags that change a
-  lowering and the JAXLLM_* switches read while tracing (TRACE_SWITCHES); the platform, its version, the device kind and count, the process count;
-  the mesh's shape and device ids;
+  lowering and the JAXLLM_* switches read while tracing (TRACE_SWITCHES); the
+  platform, its version, the device kind and count, the process count; the mesh's
+  shape and device ids;
 - the structure, shapes, dtypes and shardings of every argument (weights, KV pool,
   the bucket's inputs) and the static arguments (attention spec, sampler flags);
 - the model arch, the engine settings that reach the step (`static` of the store);
