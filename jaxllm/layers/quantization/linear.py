@@ -359,11 +359,9 @@ class QuantLinear(nnx.Module):
         s = self.scheme
         w, ws = self.weight[...], self.weight_scale[...]
         dtype = x.dtype
-        if use_rotate_kernel(s, x, self.nk, tp):    # rotation and quantization in one kernel
-            xq, xs, xz = rotate_quantize_asym(x, s)
-            y = quantized_matmul(xq, xs, w, ws, self.nk, native_dot(), xz, self.azp_adj[...])
-            return y.astype(dtype)
-        if s.rotate:    # as the weight was at load (rotation.py); f32 into the quantization
+        # The kernel rotates and quantizes in one pass (the asymmetric branch below).
+        kernel = use_rotate_kernel(s, x, self.nk, tp)
+        if s.rotate and not kernel:     # as the weight was at load; f32 into the quantization
             x = rotate(x, self.nk, s.rotate)
         if s.group is not None and use_int4_kernel(s, x.shape[0], tp):
             y = int4_kernel_matmul(x, w, ws, self.weight_zero_point[...], s, self.nk)
@@ -379,7 +377,8 @@ class QuantLinear(nnx.Module):
         elif s.act is None or use_weight_only(s, x.shape[0]):
             y = weight_only_matmul(x, w, ws, self.nk)
         elif not s.act.symmetric:
-            xq, xs, xz = quantize_per_token_asym(x, self.nk)
+            xq, xs, xz = (rotate_quantize_asym(x, s) if kernel else
+                          quantize_per_token_asym(x, self.nk))
             y = quantized_matmul(xq, xs, w, ws, self.nk, native_dot(), xz, self.azp_adj[...])
         else:
             xq, xs = quantize_per_token(x, self.nk, s.act,

@@ -8,9 +8,9 @@ is no longer set by one channel ~20x its rms: on SmolLM2-135M, int8 W8A8 went fr
 +2.07% perplexity over float to +0.37% with blocks of 64 (+1.02% with 32, +0.22% with
 up to 512; docs/benchmarks.md). fp8 is not rotated: its error is relative per value,
 and rotating made it worse (+7.1%). Through XLA the rotation is a 64-wide dot per
-projection input (deviceless H200 compile of the 8B int8 decode step: 25 kernels a
-layer, 20 unrotated before the KV write moved into the decode kernel; on the H200
-the step took 14% longer); on one GPU a layer with a 16-bit input rotates and
+projection input (deviceless H200 compile of the 8B int8 decode step, KV written
+apart: 26 kernels a layer against 20 unrotated; on the H200 the step took 14%
+longer); on one GPU a layer with a 16-bit input rotates and
 quantizes it in one Pallas kernel instead (linear.use_rotate_kernel,
 pallas_kernels/rotate_quant.py: 15 a layer; on the H100 the decode step took 4.73 ms
 against 5.28 through XLA). JAXLLM_INT8_ROTATION=0 turns it off.
