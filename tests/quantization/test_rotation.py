@@ -94,3 +94,13 @@ def test_layer_takes_the_rotate_quantize_kernel_on_one_gpu(monkeypatch, in_shape
     got = np.asarray(layer(x, tp=1), np.float32)
     assert calls == [{"interpret": True}]
     np.testing.assert_array_equal(got, want)
+
+
+def test_rotate_kernel_switch_refuses_a_bad_value(monkeypatch):
+    """Read when a rotated layer traces, on a CPU too (no GPU needed to be told)."""
+    from jaxllm.layers.quantization import linear
+    monkeypatch.setenv("JAXLLM_INT8_ROTATE_KERNEL", "yes")
+    x = jnp.ones((8, 256), jnp.bfloat16)
+    with pytest.raises(ValueError, match="JAXLLM_INT8_ROTATE_KERNEL='yes': 0 or 1 expected"):
+        linear.use_rotate_kernel(online_scheme("int8"), x, 1)
+    assert not linear.use_rotate_kernel(online_scheme("fp8"), x, 1)     # not rotated

@@ -296,10 +296,11 @@ def use_rotate_kernel(scheme: LinearScheme, x, nk: int, tp: int | None = None) -
     the kernel takes (16 or 64), unless JAXLLM_INT8_ROTATE_KERNEL=0."""
     from pallas_kernels import rotate_quant
     a = scheme.act
-    if not (scheme.rotate and a is not None and a.dynamic and not a.symmetric
+    # Read first, so a bad value is refused on any machine when a rotated layer traces.
+    wanted = scheme.rotate and env_switch("JAXLLM_INT8_ROTATE_KERNEL", True)
+    if not (wanted and a is not None and a.dynamic and not a.symmetric
             and scheme.group is None and scheme.block is None and on_gpu() and _unsharded(tp)
-            and not use_weight_only(scheme, x.shape[0])
-            and env_switch("JAXLLM_INT8_ROTATE_KERNEL", True)):
+            and not use_weight_only(scheme, x.shape[0])):
         return False
     k = math.prod(x.shape[x.ndim - nk:])
     return x.ndim == nk + 1 and rotate_quant.supported(x.dtype, k, block_size(k, scheme.rotate))
