@@ -40,7 +40,8 @@ class ModelConfig:
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len={self.max_model_len}: must be >= 1")
         # None: the checkpoint's quantization_config decides (models/quant_config.py).
-        choices = ("gguf", "fp8", "int8", "compressed-tensors", "awq", "gptq")
+        choices = ("gguf", "fp8", "int8", "compressed-tensors", "awq", "gptq",
+                   "awq_marlin", "gptq_marlin", "ptpc_fp8")    # (vLLM's aliases)
         if self.quantization is not None and self.quantization not in choices:
             raise ConfigError(f"quantization={self.quantization!r} is not supported; "
                               f"choose one of {', '.join(choices)}, or leave it unset")

@@ -13,9 +13,10 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from jaxllm.layers.quantization.schemes import (CHECKPOINT_METHODS, ONLINE_METHODS,
-                                                ActScheme, LinearScheme, QuantConfig,
-                                                online_scheme, unfuse_qkv, uniform_config)
+from jaxllm.layers.quantization.schemes import (CHECKPOINT_ALIASES, CHECKPOINT_METHODS,
+                                                ONLINE_ALIASES, ONLINE_METHODS, ActScheme,
+                                                LinearScheme, QuantConfig, online_scheme,
+                                                unfuse_qkv, uniform_config)
 from jaxllm.models.errors import CheckpointError
 from jaxllm.models.quant_layers import layer_schemes, mixed_skip_error, unless_skipped
 
@@ -30,11 +31,15 @@ def resolve_quantization(hf: dict | None, flag: str | None, num_layers: int,
     of 128, those checkpoints' usual form, for benchmarks."""
     qc = (hf or {}).get("quantization_config")
     if qc is None:
-        if flag in ONLINE_METHODS:
-            return uniform_config(flag, num_layers, online_scheme(flag), online=True)
-        if dummy and flag in ("awq", "gptq"):
-            return uniform_config(flag, num_layers, LinearScheme("uint4", group=128),
+        method = ONLINE_ALIASES.get(flag, CHECKPOINT_ALIASES.get(flag, flag))
+        if method in ONLINE_METHODS:
+            return uniform_config(method, num_layers, online_scheme(method), online=True)
+        if dummy and method in ("awq", "gptq"):
+            return uniform_config(method, num_layers, LinearScheme("uint4", group=128),
                                   online=False)
+        if flag == "gguf" and hf is not None:
+            raise CheckpointError(f"{source}: quantization='gguf' needs a GGUF file, and "
+                                  f"this is an HF folder; leave --quantization unset")
         if flag not in (None, "gguf"):
             raise CheckpointError(
                 f"{source}: quantization={flag!r} needs a checkpoint quantized that way, "
@@ -48,7 +53,7 @@ def resolve_quantization(hf: dict | None, flag: str | None, num_layers: int,
         raise CheckpointError(
             f"{source}: quantization_config.quant_method={method!r} is not supported; "
             f"jaxllm loads {', '.join(CHECKPOINT_METHODS)} checkpoints")
-    if flag is not None and flag != method:
+    if flag is not None and CHECKPOINT_ALIASES.get(flag, flag) != method:
         raise CheckpointError(
             f"{source}: quantization={flag!r} disagrees with the checkpoint's "
             f"quantization_config.quant_method={method!r}; leave --quantization unset "

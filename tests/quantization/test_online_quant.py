@@ -133,6 +133,18 @@ def test_auto_detected_and_confirmed(tmp_path):
     assert not auto.quant.online and len(auto.quant.schemes) == 2 * 4
 
 
+def test_ptpc_fp8_is_the_online_fp8_scheme(tiny_model):
+    """vLLM's ptpc_fp8 (per-token activation, per-channel weight scales, dynamic) is
+    what jaxllm's online fp8 runs: the same QuantConfig and the same weights."""
+    folder, _ = tiny_model("llama")
+    ptpc, fp8 = (load_model(folder, "float32", quantization=q) for q in ("ptpc_fp8", "fp8"))
+    assert ptpc.quant == fp8.quant and ptpc.quant.method == "fp8" and ptpc.quant.online
+    a, b = (dict(nnx.to_flat_state(m.state)) for m in (ptpc, fp8))
+    key = ("layers", 0, "mlp", "gate_up_proj", "weight")
+    np.testing.assert_array_equal(np.asarray(a[key].get_value()).astype(np.float32),
+                                  np.asarray(b[key].get_value()).astype(np.float32))
+
+
 def test_float_model_stays_float(tiny_model):
     folder, _ = tiny_model("llama")
     loaded = load_model(folder, "float32")

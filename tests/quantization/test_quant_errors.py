@@ -143,6 +143,8 @@ def test_refused_before_any_weight_moves(w8a8, tmp_path, no_device_puts, case):
             "quant_method='compressed-tensors'"),
     ("int8", "quantization='int8' disagrees"),
     ("gguf", "quantization='gguf' disagrees"),
+    ("ptpc_fp8", "quantization='ptpc_fp8' disagrees"),
+    ("awq_marlin", "quantization='awq_marlin' disagrees"),
 ])
 def test_flag_disagreeing_with_checkpoint(w8a8, no_device_puts, flag, message):
     with pytest.raises(CheckpointError, match=message):
@@ -155,6 +157,14 @@ def test_checkpoint_method_on_a_float_model(tiny_model, no_device_puts):
     with pytest.raises(CheckpointError, match="quantization='compressed-tensors' needs a "
                                               "checkpoint quantized that way"):
         load_model(folder, "float32", quantization="compressed-tensors")
+    assert no_device_puts == []
+
+
+def test_gguf_on_an_hf_folder(tiny_model, no_device_puts):
+    folder, _ = tiny_model("llama")
+    with pytest.raises(CheckpointError, match="quantization='gguf' needs a GGUF file, and "
+                                              "this is an HF folder"):
+        load_model(folder, "float32", quantization="gguf")
     assert no_device_puts == []
 
 

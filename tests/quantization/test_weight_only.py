@@ -76,11 +76,16 @@ def test_flag_naming_the_checkpoint_method(tmp_path):
     folder = str(tmp_path / "awq")
     qu.write_gptq_or_awq(folder, qu.make_model(folder, "llama", **qu.BLOCK_SHAPES), "awq",
                          group=128, sym=False)
-    assert load_model(folder, "float32", quantization="awq").quant.layout == "awq"
-    with pytest.raises(CheckpointError, match="quantization='gptq' disagrees with the "
-                                              "checkpoint's quantization_config.quant_method="
-                                              "'awq'"):
-        load_model(folder, "float32", quantization="gptq")
+    auto = load_model(folder, "float32").quant
+    assert auto.layout == "awq"
+    # vLLM's name for its Marlin-kernel path on an AWQ checkpoint loads the same model
+    for flag in ("awq", "awq_marlin"):
+        assert load_model(folder, "float32", quantization=flag).quant == auto, flag
+    for flag in ("gptq", "gptq_marlin"):
+        with pytest.raises(CheckpointError, match=f"quantization='{flag}' disagrees with the "
+                                                  "checkpoint's quantization_config."
+                                                  "quant_method='awq'"):
+            load_model(folder, "float32", quantization=flag)
 
 
 def test_act_order_differing_across_q_k_v_is_refused(tmp_path, monkeypatch):

@@ -27,6 +27,10 @@ GROUPED = ("uint4", "uint8")
 # checkpoint's quantization_config may name.
 ONLINE_METHODS = ("fp8", "int8")
 CHECKPOINT_METHODS = ("compressed-tensors", "fp8", "awq", "gptq")
+# vLLM's other names for what jaxllm runs: its Marlin-kernel forms of AWQ and GPTQ
+# checkpoints, and its per-token / per-channel online FP8 (jaxllm's online fp8 scheme).
+CHECKPOINT_ALIASES = {"awq_marlin": "awq", "gptq_marlin": "gptq"}
+ONLINE_ALIASES = {"ptpc_fp8": "fp8"}
 
 
 @dataclass(frozen=True)
