@@ -38,7 +38,11 @@ def bytes_per_block(arch: ArchConfig, block_size: int, dtype) -> int:
 @dataclass(frozen=True)
 class MemoryReport:
     """`per_block`: the target pool's bytes per block; `draft_per_block` and
-    `draft_weights`: a draft model's or EAGLE head's (its pool has as many blocks)."""
+    `draft_weights`: a draft model's or EAGLE head's (its pool has as many blocks).
+    `unquantized_extra`: the bytes the model's float weights would take beyond its
+    quantized ones (0: a float model); `blocks_gained`: the blocks those bytes hold
+    when the device's memory sized the pool (a float model's pool would be that much
+    smaller), else 0."""
     total: int
     weights: int
     activations: int
@@ -46,26 +50,36 @@ class MemoryReport:
     num_blocks: int
     draft_per_block: int = 0
     draft_weights: int = 0
+    unquantized_extra: int = 0
+    blocks_gained: int = 0
 
     def describe(self, block_size: int) -> str:
         gib = 1 << 30
-        draft = (f" (draft: weights and buffers {self.draft_weights / gib:.2f} GiB, KV per token "
-                 f"{self.draft_per_block // block_size} bytes)" if self.draft_per_block else "")
-        return (f"device memory {self.total / gib:.2f} GiB, weights {self.weights / gib:.2f} GiB, "
-                f"activation peak {self.activations / gib:.2f} GiB, KV per token "
-                f"{self.per_block // block_size} bytes{draft}, blocks available {self.num_blocks}")
+        draft = (f" (draft: weights and buffers {self.draft_weights / gib:.2f} GiB, KV per "
+                 f"token {self.draft_per_block // block_size} bytes)"
+                 if self.draft_per_block else "")
+        quant = (f" (unquantized {(self.weights + self.unquantized_extra) / gib:.2f} GiB)"
+                 if self.unquantized_extra else "")
+        gained = (f" (the quantized weights' savings hold {self.blocks_gained})"
+                  if self.blocks_gained else "")
+        return (f"device memory {self.total / gib:.2f} GiB, weights {self.weights / gib:.2f} "
+                f"GiB{quant}, activation peak {self.activations / gib:.2f} GiB, KV per token "
+                f"{self.per_block // block_size} bytes{draft}, blocks available "
+                f"{self.num_blocks}{gained}")
 
 
 def plan_num_blocks(arch: ArchConfig, cache: CacheConfig, model_dtype, max_model_len: int,
                     weights_bytes: int, peak_bytes: int | None, device_limit: int | None,
                     num_devices: int = 1, max_num_seqs: int | None = None,
-                    draft_per_block: int = 0, draft_weights: int = 0) -> MemoryReport:
+                    draft_per_block: int = 0, draft_weights: int = 0,
+                    unquantized_extra: int = 0) -> MemoryReport:
     """How many KV blocks fit. `device_limit`: the device's byte limit (None on CPU);
     `peak_bytes`: device bytes in use at the largest step's peak, the pool excepted
     (see fit_to_device). `draft_per_block`, `draft_weights`: a proposer's pool (of
     the same block count) and weights (on the device beside the target's, outside
     the target step's peak): each block costs both pools' bytes, and the weights
-    come off the budget (on CPU: both pools share cpu_kv_cache_bytes). Raises
+    come off the budget (on CPU: both pools share cpu_kv_cache_bytes).
+    `unquantized_extra`: MemoryReport's (unquantized_extra below). Raises
     ConfigError, with the numbers and the knob to turn, when one max_model_len
     sequence does not fit."""
     dtype = cache_dtype(cache, model_dtype)
@@ -90,9 +104,11 @@ def plan_num_blocks(arch: ArchConfig, cache: CacheConfig, model_dtype, max_model
                   - draft_weights)
         num_blocks = stable_block_count(max(budget, 0) // both)
         report = MemoryReport(device_limit, weights_bytes, (peak_bytes or 0) - weights_bytes,
-                              per_block, num_blocks)
+                              per_block, num_blocks,
+                              blocks_gained=min(unquantized_extra // both, num_blocks))
     report = dataclasses.replace(report, draft_per_block=draft_per_block,
-                                 draft_weights=draft_weights)
+                                 draft_weights=draft_weights,
+                                 unquantized_extra=unquantized_extra)
     needed = -(-max_model_len // cache.block_size) + 1   # +1: the null block
     if report.num_blocks < needed:
         knob = ("raise cpu_kv_cache_bytes" if device_limit is None else
@@ -120,7 +136,8 @@ def stable_block_count(num_blocks: int) -> int:
 def fit_to_device(arch: ArchConfig, cache: CacheConfig, model_dtype, max_model_len: int,
                   weights_bytes: int, device_limit: int, activation_bytes: int,
                   step_peak: Callable[[int], int | None], num_devices: int = 1,
-                  draft_per_block: int = 0, draft_weights: int = 0) -> MemoryReport:
+                  draft_per_block: int = 0, draft_weights: int = 0,
+                  unquantized_extra: int = 0) -> MemoryReport:
     """Size the pool from the largest step's compiled memory analysis, with no
     profiling run. The first guess spends `activation_bytes` (an upper estimate,
     `activation_bound`) beside the weights; `step_peak(num_blocks)` compiles (or
@@ -129,13 +146,15 @@ def fit_to_device(arch: ArchConfig, cache: CacheConfig, model_dtype, max_model_l
     `gpu_memory_utilization * device_limit` the pool shrinks to fit and the step
     compiles again (rare: the estimate is meant to be above what XLA allocates).
     Counts are rounded by `stable_block_count`, so restarts produce the same shapes.
-    `draft_*`: plan_num_blocks'; the target step's peak holds neither (the draft's own
-    steps run between the target's, their temporaries taken to be no larger).
+    `draft_*`, `unquantized_extra`: plan_num_blocks'; the target step's peak holds
+    no draft (the draft's own steps run between the target's, their temporaries
+    taken to be no larger).
     Raises plan_num_blocks's ConfigError when one max_model_len sequence does not fit."""
     def plan(peak):
         return plan_num_blocks(arch, cache, model_dtype, max_model_len, weights_bytes, peak,
                                device_limit, num_devices=num_devices,
-                               draft_per_block=draft_per_block, draft_weights=draft_weights)
+                               draft_per_block=draft_per_block, draft_weights=draft_weights,
+                               unquantized_extra=unquantized_extra)
 
     budget = int(device_limit * cache.gpu_memory_utilization)
     report = plan(weights_bytes + activation_bytes + HEADROOM)
@@ -175,6 +194,20 @@ def device_bytes(arrays) -> int:
     """Bytes the arrays hold on one device (a split array: its shard)."""
     return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
                for x in jax.tree.leaves(arrays))
+
+
+def unquantized_extra(quant, arch: ArchConfig, model_dtype, state, tp: int = 1) -> int:
+    """Bytes per device the model's weights would take beyond `state`'s (the loaded
+    leaves) if no layer were quantized; 0 for a float model (`quant` None). The float
+    model is built abstractly (nothing allocated); the difference lies in the
+    projections, which tensor parallelism splits over the `tp` devices."""
+    if quant is None:
+        return 0
+    from jaxllm.models.loader import abstract_model
+    _, float_state = abstract_model(arch, model_dtype)
+    nbytes = lambda t: sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize  # noqa: E731
+                           for x in jax.tree.leaves(t))
+    return max(nbytes(float_state) - nbytes(state), 0) // tp
 
 
 def pool_shape(arch: ArchConfig, num_blocks: int, block_size: int, tp: int = 1):

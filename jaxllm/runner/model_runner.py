@@ -112,21 +112,21 @@ class ModelRunner:
         return out + (self._replicated,) * (self.hidden_layers is not None)
 
     # ------------------------------------------------------------ KV pool
-    def initialize_kv_cache(self, draft_per_block: int = 0,
-                            draft_weights: int = 0) -> kv_cache.MemoryReport:
-        """Size and allocate the pool. On a GPU: from the largest step's compiled
-        memory analysis (kv_cache.fit_to_device), which only checks a size planned
-        from `activation_bound`; so while that step compiles, the warm-up's other
-        programs are lowered for the same pool and queued to compile (warm_up
-        collects them; a pool of another size makes them stale). `draft_*`: a
-        proposer's pool bytes per block and weights, left room for (plan_num_blocks)."""
+    def initialize_kv_cache(self, draft_per_block=0, draft_weights=0) -> kv_cache.MemoryReport:
+        """Size and allocate the pool; on a GPU from the largest step's compiled memory
+        analysis (kv_cache.fit_to_device), compiled while the warm-up's other programs
+        are lowered for the same pool and queued (warm_up collects them; a pool of
+        another size makes them stale). `draft_*`: a proposer's pool bytes per block
+        and weights, left room for (plan_num_blocks); quantized weights' savings too."""
         cache_cfg = self.config.cache
         weights = kv_cache.device_bytes(self.params)
         limit = self.device_limit()
         dtype = kv_cache.cache_dtype(cache_cfg, self.model_dtype)
         sharding = mesh_lib.kv_cache_sharding(self.mesh, self.arch.num_kv_heads)
         t, s = self.plan.token_buckets[-1], self.plan.max_seqs
-        draft = dict(draft_per_block=draft_per_block, draft_weights=draft_weights)
+        extra = dict(draft_per_block=draft_per_block, draft_weights=draft_weights,
+                     unquantized_extra=kv_cache.unquantized_extra(
+                         self.quant, self.arch, self.model_dtype, self.state, self.mesh.size))
 
         def step_peak(num_blocks: int) -> int | None:
             pool = kv_cache.abstract(self.arch, num_blocks, self.block_size, dtype, sharding,
@@ -145,12 +145,12 @@ class ModelRunner:
                 kv_cache.activation_bound(
                     self.arch, t, s, self.model_dtype, self.mesh.size,
                     gather_block_size=self.block_size * (self.spec.backend == "reference")),
-                step_peak, num_devices=self.mesh.size, **draft)
+                step_peak, num_devices=self.mesh.size, **extra)
         else:
             report = kv_cache.plan_num_blocks(
                 self.arch, cache_cfg, self.model_dtype, self.max_model_len, weights, None, None,
                 num_devices=self.mesh.size, max_num_seqs=self.config.scheduler.max_num_seqs,
-                **draft)
+                **extra)
         # Multi-host: one pool spans the processes, so all must size it alike.
         report = dataclasses.replace(report, num_blocks=distributed.agree_min(report.num_blocks))
         self.num_blocks = report.num_blocks
