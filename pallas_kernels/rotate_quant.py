@@ -14,9 +14,10 @@ its entries, +-1/sqrt(B), are exact in bf16 and f16), C blocks per tile.
 
 The rotation is a dot of a [C, B] tile of x with the [B, B] matrix, both in x's
 16-bit dtype (exact products), summed in f32: the reference's f32 einsum up to the
-order of its sums. That order, and on a GPU Triton's f32 division (which may differ
-from XLA's in the last bit), can put a value at a rounding boundary one level apart
-from the XLA path's: a few values in a million (scripts/check_rotate_quant.py).
+order of its sums. That order can put a value at a rounding boundary one level apart
+from the XLA path's: a few values in a million (scripts/check_rotate_quant.py). The
+divisions are not a source: compiled for the H200, Triton here and XLA's fusions there
+both emit the same approximate f32 division (div.full.f32).
 
 Rounding half to even is built from floor (Pallas' Triton lowering has no round op):
 floor(y + 0.5), less one where that was a tie rounded up to an odd value; exact for

@@ -1,9 +1,9 @@
 """pallas_kernels/rotate_quant.py on the GPU against its reference twin: random bf16
 rows with three outlier channels (as online int8's q/k/v inputs) at the Llama-3.1-8B
 widths, one line a shape: how many int8 values differ from the reference and by how
-much, which rows differ by more than one level (none expected: the GPU's f32 division
-and the dot's order of sums move a value at a rounding boundary by one level at
-most), the largest relative scale difference, and how many zero points differ.
+much, which rows differ by more than one level (none expected: the dot's order of
+sums moves a value at a rounding boundary by one level at most), the largest
+relative scale difference, and how many zero points differ.
 
     python3 scripts/check_rotate_quant.py
 """
