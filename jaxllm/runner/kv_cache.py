@@ -26,7 +26,12 @@ HEADROOM = 256 << 20
 
 
 def cache_dtype(cache: CacheConfig, model_dtype):
-    return jnp.float8_e4m3fn if cache.is_fp8 else model_dtype
+    """The pool's dtype: e4m3 for fp8 / fp8_e4m3 (stored divided by the per-tensor
+    scale), e5m2 for fp8_e5m2 (a truncated f16: range enough without a scale, as in
+    vLLM, but two mantissa bits), else the model's."""
+    if not cache.is_fp8:
+        return model_dtype
+    return jnp.float8_e5m2 if cache.kv_cache_dtype == "fp8_e5m2" else jnp.float8_e4m3fn
 
 
 def bytes_per_block(arch: ArchConfig, block_size: int, dtype) -> int:

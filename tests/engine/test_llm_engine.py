@@ -38,9 +38,11 @@ def reference(llama):
     prompts = make_prompts(hf.config.vocab_size)
     alone = [run(llm, [p])[0] for p in prompts]
     with torch.no_grad():
-        hf_out = [hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+        hf_out = [hf.generate(torch.tensor([p]),
+                              attention_mask=torch.ones(1, len(p), dtype=torch.long),
                               max_new_tokens=12, min_new_tokens=12,
-                              do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+                              do_sample=False, eos_token_id=None,
+                              pad_token_id=0)[0, len(p):].tolist()
                   for p in prompts]
     return prompts, alone, hf_out
 
@@ -91,12 +93,14 @@ def check_logprobs_close(a, b, top_n: int):
                 break
 
 
-def test_fp8_kv_cache_logprobs_close(llama):
+@pytest.mark.parametrize("kv_dtype, stored", [("fp8", "float8_e4m3fn"),
+                                              ("fp8_e5m2", "float8_e5m2")])
+def test_fp8_kv_cache_logprobs_close(llama, kv_dtype, stored):
     folder, hf, llm = llama
     prompts = make_prompts(hf.config.vocab_size, n=8)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
-    fp8 = LLM(folder, enforce_eager=True, kv_cache_dtype="fp8", **ENGINE)
-    assert str(fp8.llm_engine.runner.kv_caches[0][0].dtype) == "float8_e4m3fn"
+    fp8 = LLM(folder, enforce_eager=True, kv_cache_dtype=kv_dtype, **ENGINE)
+    assert str(fp8.llm_engine.runner.kv_caches[0][0].dtype) == stored
 
     def collect(engine):
         outs = engine.generate([{"prompt_token_ids": p} for p in prompts], params,
@@ -228,7 +232,8 @@ def test_no_compilation_after_warm_up(tiny_model):
     folder, hf = tiny_model("qwen3")
     llm = LLM(folder, **ENGINE)                       # warm-up compiles every bucket
     compiles = []
-    listener = lambda name, *a, **k: compiles.append(name) if "backend_compile" in name else None  # noqa: E731
+    listener = lambda name, *a, **k: (  # noqa: E731
+        compiles.append(name) if "backend_compile" in name else None)
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
         prompts = make_prompts(hf.config.vocab_size, n=20, seed=5)

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 FP8 = jnp.float8_e4m3fn
+E5M2 = jnp.float8_e5m2      # --kv-cache-dtype fp8_e5m2: no scale (vLLM's)
 # Interpret-mode kernels are large loops; XLA's CPU backend compiles them several times
 # faster without its expensive LLVM passes, and they run just as correctly.
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}

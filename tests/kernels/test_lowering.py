@@ -14,7 +14,7 @@ from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 from pallas_kernels.reshape_and_cache import reshape_and_cache
 
 SD = jax.ShapeDtypeStruct
-BF16, FP8, I32 = jnp.bfloat16, jnp.float8_e4m3fn, jnp.int32
+BF16, FP8, E5M2, I32 = jnp.bfloat16, jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.int32
 
 
 def _shapes(num_tokens, num_seqs, hq, hkv, d, bs, kv_dtype, q_dtype=BF16, nb=4000, width=64):
@@ -30,6 +30,7 @@ CONFIGS = [
     (8, 8, 64, 32, BF16, None, dict(blocks_per_step=4)),
     (32, 4, 96, 16, BF16, 4096, {}),                       # G=8, padded head dim
     (9, 3, 64, 16, FP8, None, {}),                         # G=3 (SmolLM2)
+    (32, 8, 128, 16, E5M2, None, {}),                      # --kv-cache-dtype fp8_e5m2
 ]
 
 
@@ -102,7 +103,8 @@ def test_fused_qkv_decode_path_lowers():
     assert "triton" in lower_for_cuda(decode, qkv, pool, pool, SD((64, 64), I32), SD((64,), I32))
 
 
-@pytest.mark.parametrize("kv_dtype,settings", [(BF16, {}), (FP8, dict(spread=True))],
+@pytest.mark.parametrize("kv_dtype,settings", [(BF16, {}), (FP8, dict(spread=True)),
+                                               (E5M2, {})],
                          ids=str)
 def test_decode_and_write_lowers(kv_dtype, settings):
     """The decode kernel that writes the step's keys and values itself (pools aliased

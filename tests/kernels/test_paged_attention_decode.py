@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernel_cases import FP8, assert_close, make_case, run, same_bits
+from kernel_cases import E5M2, FP8, assert_close, make_case, run, same_bits
 from pallas_kernels.paged_attention_decode import (combine_splits, decode_and_write,
                                                    default_dot_dtype,
                                                    paged_attention_decode,
@@ -25,6 +25,8 @@ CASES = {
                             dict(k_splits=4, blocks_per_step=1)),
     "g8_d64_fp8": (dict(hq=8, hkv=1, d=64, bs=16, kv_dtype=FP8, scale=0.5),
                    dict(k_splits=2, blocks_per_step=2)),
+    "g4_d64_e5m2": (dict(hq=8, hkv=2, d=64, bs=16, kv_dtype=E5M2),
+                    dict(k_splits=2, blocks_per_step=2)),
     "g3_d96_pad": (dict(hq=6, hkv=2, d=96, bs=16), dict(k_splits=3, blocks_per_step=1)),
     "defaults": (dict(hq=8, hkv=2, d=64, bs=16), dict()),
 }
@@ -221,6 +223,8 @@ WRITE_CASES = {
     "whole_tiles": (dict(lens=[64, 128, 0, 32]), dict()),      # newest key ends a tile
     "fp8": (dict(lens=[5, 80, 0, 33], dtype=jnp.bfloat16, kv_dtype=FP8, scale=0.5),
             dict(k_splits=2, blocks_per_step=2)),
+    "e5m2": (dict(lens=[5, 80, 0, 33], dtype=jnp.bfloat16, kv_dtype=E5M2),
+             dict(k_splits=2, blocks_per_step=2)),
     "spread": (dict(lens=[0, 150, 0, 0, 0, 0, 0, 0]), dict(spread=True, blocks_per_step=1)),
 }
 

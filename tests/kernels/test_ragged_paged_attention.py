@@ -6,7 +6,7 @@ import functools
 import jax.numpy as jnp
 import pytest
 
-from kernel_cases import FP8, assert_close, make_case, run
+from kernel_cases import E5M2, FP8, assert_close, make_case, run
 from pallas_kernels.ragged_paged_attention import (ragged_paged_attention,
                                                    ref_ragged_paged_attention)
 
@@ -20,6 +20,8 @@ CASES = {
     "g4_d128_bs32": (dict(hq=8, hkv=2, d=128, bs=32, **MIXED), dict(block_q=8, blocks_per_step=1)),
     "g8_d64_fp8": (dict(hq=8, hkv=1, d=64, bs=16, kv_dtype=FP8, scale=0.5, **MIXED),
                    dict(block_q=4, blocks_per_step=2)),
+    "g4_d64_e5m2": (dict(hq=8, hkv=2, d=64, bs=16, kv_dtype=E5M2, **MIXED),
+                    dict(block_q=4, blocks_per_step=2)),
     "g3_d80_pad": (dict(hq=6, hkv=2, d=80, bs=16, **MIXED), dict(block_q=8, blocks_per_step=1)),
     "defaults": (dict(hq=8, hkv=2, d=64, bs=16, **MIXED), dict()),
 }
