@@ -69,12 +69,13 @@ class StructuredOutputsParams:
                "structured_outputs.json", type(self.json).__name__, "a JSON schema object")
         for name in ("regex", "grammar", "whitespace_pattern"):
             value = getattr(self, name)
-            _check(value is None or (isinstance(value, str) and value), f"structured_outputs.{name}",
-                   value, "a non-empty string")
+            _check(value is None or (isinstance(value, str) and value),
+                   f"structured_outputs.{name}", value, "a non-empty string")
         if self.choice is not None:
             _check(isinstance(self.choice, (list, tuple)) and len(self.choice) > 0
                    and all(isinstance(c, str) and c for c in self.choice),
-                   "structured_outputs.choice", self.choice, "a non-empty list of non-empty strings")
+                   "structured_outputs.choice", self.choice,
+                   "a non-empty list of non-empty strings")
             self.choice = list(self.choice)
 
     @property

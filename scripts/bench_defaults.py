@@ -34,7 +34,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 
-from bench_h200 import bench_sharegpt, bench_throughput, random_prompts, timed_generate  # noqa: E402
+from bench_h200 import (bench_sharegpt, bench_throughput, random_prompts,  # noqa: E402
+                        timed_generate)
 
 
 def bench_prefix(llm, vocab, n=512, shared=2000, own=100, out=64) -> dict:

@@ -285,7 +285,8 @@ def bench_jaxllm(folder: str, dtype: str, texts: list[str], warm: list[str], arg
     check = np.stack([o.outputs.data for o in outs[:args.check]])
     del outs
     runner = llm.llm_engine.runner
-    info = {"attention": runner.attention,"load_s": round(load_s, 1), "compile_s": round(compile_s, 1), "step_shapes": shapes,
+    info = {"attention": runner.attention, "load_s": round(load_s, 1),
+            "compile_s": round(compile_s, 1), "step_shapes": shapes,
             "warm_up_s": round(warm_s, 1), "budget_tokens": runner.budget,
             "max_rows": runner.max_rows, "device": str(jax.devices()[0].device_kind),
             "jax": jax.__version__, "cache": compilation_cache.summary()}

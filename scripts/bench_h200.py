@@ -104,7 +104,8 @@ def step_breakdown(llm):
     runner = llm.llm_engine.runner
     arrays, decode_only = step_profile.step_arrays(runner, 1, 600)
     t = step_profile.time_steps(runner, arrays, decode_only, iters=50)
-    return {"bare_step_ms_pipelined": t["step_ms_queued"], "bare_step_ms_synced": t["step_ms_synced"]}
+    return {"bare_step_ms_pipelined": t["step_ms_queued"],
+            "bare_step_ms_synced": t["step_ms_synced"]}
 
 
 # Bare steps profiled with --profile: label -> (batch, context, new tokens per sequence).

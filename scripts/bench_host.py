@@ -260,11 +260,13 @@ def offline(engine, device: FakeDevice, args, phases: dict | None = None) -> Non
             profile.disable()
         t = time.perf_counter() - t0 - (device.fake_s - fake0)
         cpu = time.thread_time() - cpu0 - (device.fake_s - fake0)
-        print(f"offline, {kind.name} outputs{f', {args.structured:g} structured' if args.structured else ''}: "
+        print(f"offline, {kind.name} outputs"
+              f"{f', {args.structured:g} structured' if args.structured else ''}: "
               f"{t:.2f} s, {1000 * t / len(times):.2f} ms per step, median step "
               f"{1000 * float(np.median(times)):.2f} ms, engine thread CPU "
               f"{1000 * cpu / len(times):.2f} ms per step ({len(times)} steps; the device alone: "
-              f"{args.device_ms} ms; the fake's own {1000 * (device.fake_s - fake0) / len(times):.2f}"
+              f"{args.device_ms} ms; the fake's own "
+              f"{1000 * (device.fake_s - fake0) / len(times):.2f}"
               f" ms per step left out of the mean), "
               f"{args.requests * args.output_len / t:.0f} out tok/s", flush=True)
         if phases is not None:

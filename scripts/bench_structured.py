@@ -18,8 +18,9 @@ both runs generates exactly max_tokens tokens. After one untimed run of each pat
 the full batch, runs alternate (plain, constrained, mix, and maxLength at the first
 setting) `--repeat` times; each figure is the median over repeats of its ratio to the
 plain run just before it, and again from the fastest run of each kind (the host's
-interference only slows runs down, some by tens of percent). `--phases` adds, per engine step of each run, the host's
-time by phase. Prints a table; JSON to $OUT/bench_structured.json when OUT is set.
+interference only slows runs down, some by tens of percent). `--phases` adds, per engine
+step of each run, the host's time by phase. Prints a table; JSON to
+$OUT/bench_structured.json when OUT is set.
 """
 from __future__ import annotations
 
@@ -318,7 +319,8 @@ def main():
               f"slowed {100 * r['mix_slowdown']:.1f}% (goal <= 5%); masks "
               f"{r['mask_ms_per_step']:.2f} ms/step, engine waited "
               f"{r['mask_wait_ms_per_step']:.2f} ms/step"
-              + (f"; maxLength strings {r['maxlength_ratio']:.3f}" if "maxlength_ratio" in r else ""))
+              + (f"; maxLength strings {r['maxlength_ratio']:.3f}"
+                 if "maxlength_ratio" in r else ""))
         print(f"  fastest runs of each kind: constrained/plain {r['best_constrained_ratio']:.3f}, "
               f"mix plain half slowed {100 * r['best_mix_slowdown']:.1f}%")
     for label, rs in res.get("phases", {}).items():

@@ -113,7 +113,8 @@ def host_timing(llm, prompts, params) -> dict:
     dispatch), waiting for the step read back, and the rest of the step."""
     engine, runner = llm.llm_engine, llm.llm_engine.runner
     spans = {"launch": [], "wait": [], "step": [], "model_dispatch": [], "sample_dispatch": []}
-    real = runner.execute_model, runner.get_output, engine.step, runner.launch_step, runner.sample_step
+    real = (runner.execute_model, runner.get_output, engine.step, runner.launch_step,
+            runner.sample_step)
 
     def timed(name, fn):
         def call(*a, **k):

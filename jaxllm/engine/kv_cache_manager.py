@@ -79,7 +79,8 @@ class KVCacheManager:
         max_blocks = (req.num_tokens - 1) // self.block_size
         parent: Hashable = root
         for i in range(max_blocks):
-            block = self.block_pool.lookup(req.block_hashes[i], (parent, self._block_tokens(req, i)))
+            block = self.block_pool.lookup(req.block_hashes[i],
+                                           (parent, self._block_tokens(req, i)))
             if block is None:
                 break
             hit.block_ids.append(block.block_id)
@@ -114,7 +115,8 @@ class KVCacheManager:
 
     # -- allocation ---------------------------------------------------------------
 
-    def allocate_slots(self, req: Request, num_new_tokens: int, hit: CacheHit | None = None) -> bool:
+    def allocate_slots(self, req: Request, num_new_tokens: int,
+                       hit: CacheHit | None = None) -> bool:
         """Grow the block table to cover num_computed_tokens (+ hit) + num_new_tokens.
 
         All or nothing: returns False, changing nothing, when blocks run short.

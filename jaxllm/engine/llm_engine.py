@@ -41,7 +41,8 @@ class LLMEngine:
         else:
             self.engine_core, info = build_core(config, self)
         self.arch, self.model_path = info.arch, info.model_path
-        self.max_model_len, self.max_num_batched_tokens = info.max_model_len, info.max_num_batched_tokens
+        self.max_model_len, self.max_num_batched_tokens = (
+            info.max_model_len, info.max_num_batched_tokens)
         self.eos_token_id, self._num_gpu_blocks = info.eos_token_id, info.num_gpu_blocks
         self.output_processor = OutputProcessor(self.tokenizer)
         self.startup_seconds = time.perf_counter() - t0

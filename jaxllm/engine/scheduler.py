@@ -12,19 +12,17 @@ as the running list is kept in that order. By recompute (free its blocks, back t
 waiting queue) or by swap (copy its blocks to CPU blocks; see KVCacheManager.swap_out
 for when it falls back to recompute).
 
-The n samples of one prompt (Requests with the same ``parent_id``) share the
-prompt's full blocks even with prefix caching off (see kv_cache_manager). A sample
-waits while a sibling is still computing those blocks, so it finds them cached
-instead of computing its own copy.
+The n samples of one prompt (Requests with the same ``parent_id``) share the prompt's full
+blocks even with prefix caching off (see kv_cache_manager). A sample waits while a sibling
+is still computing those blocks, so it finds them cached instead of computing its own copy.
 
-Async scheduling (vLLM's): ``schedule()`` advances ``num_computed_tokens`` as soon as a
-step is scheduled, and a request whose step will sample holds an *output placeholder*
-until ``update_from_output()`` brings the token. So step N+1 can be scheduled while
-step N runs: a placeholder is fed as ``PLACEHOLDER_TOKEN_ID``, which the runner
-replaces on the device by the token step N sampled. A request whose pending tokens
-already reach its length cap is not scheduled again. An EOS or stop string seen late
-costs one wasted token of compute; the scheduler is never wrong about KV, because
-every device step runs in launch order.
+Async scheduling (vLLM's): ``schedule()`` advances ``num_computed_tokens`` as soon as a step
+is scheduled, and a request whose step will sample holds an *output placeholder* until
+``update_from_output()`` brings the token. So step N+1 can be scheduled while step N runs: a
+placeholder is fed as ``PLACEHOLDER_TOKEN_ID``, which the runner replaces on the device by
+the token step N sampled. A request whose pending tokens already reach its length cap is not
+scheduled again. An EOS or stop string seen late costs one wasted token of compute; the
+scheduler is never wrong about KV, because every device step runs in launch order.
 
 Speculation: a decoding request's drafts (``Request.spec_token_ids``, from the engine
 core) are scheduled after its token, with slots (and ``num_lookahead_tokens`` more for
@@ -127,7 +125,8 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.add_request(request)
 
-    def finish_requests(self, request_ids: str | Iterable[str], finished_status: RequestStatus) -> None:
+    def finish_requests(self, request_ids: str | Iterable[str],
+                        finished_status: RequestStatus) -> None:
         """Finish requests from outside (abort, stop string). Unknown ids are ignored."""
         assert RequestStatus.is_finished(finished_status), finished_status
         if isinstance(request_ids, str):
@@ -397,4 +396,5 @@ class Scheduler:
 
 def _num_wanted(request: Request) -> int:
     """Tokens the request still needs computed, a pending output included."""
-    return len(request.all_token_ids) + request.num_output_placeholders - request.num_computed_tokens
+    return (len(request.all_token_ids) + request.num_output_placeholders
+            - request.num_computed_tokens)

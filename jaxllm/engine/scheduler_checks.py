@@ -27,7 +27,8 @@ def validate_request(scheduler, request: Request) -> None:
             f"off; raise --max-num-batched-tokens or pass --enable-chunked-prefill")
     # The KV the request can ever need: every token but the last sampled one.
     max_tokens = request.max_tokens
-    final_len = scheduler.max_model_len if max_tokens is None else min(n + max_tokens, scheduler.max_model_len)
+    final_len = (scheduler.max_model_len if max_tokens is None
+                 else min(n + max_tokens, scheduler.max_model_len))
     num_blocks = cdiv(max(n, final_len - 1), scheduler.block_size)
     usable = scheduler.block_pool.num_usable_blocks
     if num_blocks > usable:

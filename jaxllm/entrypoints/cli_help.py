@@ -26,7 +26,8 @@ ENGINE_HELP = {
     "cpu_kv_cache_bytes": "KV-pool bytes on CPU, where there is no device memory to profile",
     "num_gpu_blocks_override": "use exactly this many KV blocks instead of sizing from memory",
     "max_num_seqs": "most sequences in one step (the batch-size cap)",
-    "max_num_batched_tokens": "token budget of one step; default 8192 on a GPU with >= 70 GiB (not an A100), else 2048, as vLLM's server",
+    "max_num_batched_tokens": "token budget of one step; default 8192 on a GPU with >= 70 GiB "
+                              "(not an A100), else 2048, as vLLM's server",
     "enable_chunked_prefill": "split long prompts over several steps so decodes keep running",
     "preemption_mode": "when KV blocks run out: recompute, or swap to host memory",
     "async_scheduling": "prepare the next step while the device runs this one",

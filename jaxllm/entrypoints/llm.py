@@ -60,7 +60,8 @@ class LLM:
         generation config (--generation-config), else SamplingParams()."""
         return SamplingParams(**self.default_sampling_params)
 
-    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    def generate(self, prompts,
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
         """prompts: a string, a list of strings, or vLLM's {"prompt_token_ids": [...]}
         dicts (or a list of those). Results come back in input order. priority: one

@@ -73,7 +73,8 @@ class EncoderLayer(nnx.Module):
         ctx = jnp.einsum("bhts,bshd->bthd", probs.astype(x.dtype), v)
         attn = jnp.einsum("bthd,hde->bte", ctx, self.o[...]) + self.o_bias[...]
         x = self.attn_norm(x + attn)
-        h = _act(self.cfg.hidden_act, jnp.einsum("bte,ef->btf", x, self.up[...]) + self.up_bias[...])
+        h = _act(self.cfg.hidden_act,
+                 jnp.einsum("bte,ef->btf", x, self.up[...]) + self.up_bias[...])
         return self.out_norm(x + jnp.einsum("btf,fe->bte", h, self.down[...]) + self.down_bias[...])
 
 

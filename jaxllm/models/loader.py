@@ -63,7 +63,8 @@ WEIGHT_MAP: dict[str, tuple[tuple[str, ...], Callable]] = {
         (("model.layers.{i}.input_layernorm.weight",), lambda a, w: w),
     "layers.{i}.post_attention_layernorm.weight":
         (("model.layers.{i}.post_attention_layernorm.weight",), lambda a, w: w),
-    "layers.{i}.self_attn.q_proj": (("model.layers.{i}.self_attn.q_proj.weight",), _heads("num_heads")),
+    "layers.{i}.self_attn.q_proj":
+        (("model.layers.{i}.self_attn.q_proj.weight",), _heads("num_heads")),
     "layers.{i}.self_attn.kv_proj": (("model.layers.{i}.self_attn.k_proj.weight",
                                       "model.layers.{i}.self_attn.v_proj.weight"), _kv),
     "layers.{i}.self_attn.qkv_proj": (tuple(f"model.layers.{{i}}.self_attn.{p}_proj.weight"
@@ -77,8 +78,10 @@ WEIGHT_MAP: dict[str, tuple[tuple[str, ...], Callable]] = {
     "layers.{i}.self_attn.kv_bias": (
         ("model.layers.{i}.self_attn.k_proj.bias", "model.layers.{i}.self_attn.v_proj.bias"),
         lambda a, k, v: np.stack([k, v]).reshape(2, a.num_kv_heads, a.head_dim)),
-    "layers.{i}.self_attn.q_norm.weight": (("model.layers.{i}.self_attn.q_norm.weight",), lambda a, w: w),
-    "layers.{i}.self_attn.k_norm.weight": (("model.layers.{i}.self_attn.k_norm.weight",), lambda a, w: w),
+    "layers.{i}.self_attn.q_norm.weight":
+        (("model.layers.{i}.self_attn.q_norm.weight",), lambda a, w: w),
+    "layers.{i}.self_attn.k_norm.weight":
+        (("model.layers.{i}.self_attn.k_norm.weight",), lambda a, w: w),
     "layers.{i}.mlp.gate_up_proj": (("model.layers.{i}.mlp.gate_proj.weight",
                                      "model.layers.{i}.mlp.up_proj.weight"),
                                     lambda a, g, u: np.stack([g.T, u.T], axis=1)),

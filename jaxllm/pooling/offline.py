@@ -2,8 +2,9 @@
 
 Texts are tokenized in chunks on a thread (the Rust tokenizer releases the GIL)
 while the runner's full steps run, so tokenizing a million texts (and making their
-output objects) hides behind the model; steps are formed across chunks (runner.run_stream), so only the run's end
-has partial steps. `jaxllm embed` writes each chunk before the next (embed_chunks).
+output objects) hides behind the model; steps are formed across chunks
+(runner.run_stream), so only the run's end has partial steps. `jaxllm embed` writes
+each chunk before the next (embed_chunks).
 """
 from __future__ import annotations
 

@@ -5,10 +5,10 @@ step's rows are near-equal in length (T buckets every 4 tokens up to 128: texts 
 9-65 tokens pad 4% of their tokens, against 10% with buckets every 8), so padding
 costs little, and attention stays within a row (cuDNN's fused kernel on a GPU for
 the decoders, see decoder.py); a packed step with segment ids would need an [N, N]
-mask over all its tokens (or a segment-aware kernel) to keep texts apart. A step fills the token budget
-(max_num_batched_tokens, at most max_num_seqs rows); a (B, T) shape compiles once on
-first use. Rows join their bucket's next step as they arrive; a bucket's step
-launches once full, and the leftovers go at the end.
+mask over all its tokens (or a segment-aware kernel) to keep texts apart. A step
+fills the token budget (max_num_batched_tokens, at most max_num_seqs rows); a (B, T)
+shape compiles once on first use. Rows join their bucket's next step as they arrive;
+a bucket's step launches once full, and the leftovers go at the end.
 
 Each step is one host-to-device array (ids, lengths, dimensions and the normalize
 flag packed as int32 [B, T + 3]) and one device-to-host array (float32 [B, E]):

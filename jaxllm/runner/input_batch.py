@@ -37,7 +37,8 @@ def prepare_inputs(scheduled, plan, block_size: int, max_blocks_per_seq: int,
     query_start_loc[0] = 0
     np.cumsum(lens, out=query_start_loc[1:num_seqs + 1])
     seq = np.repeat(np.arange(num_seqs, dtype=np.int32), lens)        # token -> sequence
-    pos = np.arange(num_tokens, dtype=np.int32) + np.repeat(starts - query_start_loc[:num_seqs], lens)
+    pos = (np.arange(num_tokens, dtype=np.int32)
+           + np.repeat(starts - query_start_loc[:num_seqs], lens))
     input_ids = np.zeros(t, np.int32)
     input_ids[:num_tokens] = np.fromiter(
         itertools.chain.from_iterable(r.token_ids for r in scheduled), np.int32, num_tokens)

@@ -31,7 +31,8 @@ def _metaspace() -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Metaspace()
     tok.decoder = decoders.Metaspace()
-    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>"] + SPECIALS))
+    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=200,
+                                                        special_tokens=["<unk>"] + SPECIALS))
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="<unk>")
 
 

@@ -297,9 +297,11 @@ def test_recompute_keeps_outputs_and_goes_to_the_front():
 def test_recompute_past_the_budget_is_chunked_even_without_chunked_prefill():
     # b is preempted holding 13 tokens (prompt + outputs) > max_num_batched_tokens.
     def reqs():
-        return [Request(rid, list(range(i, i + 10)), SP(max_tokens=10)) for i, rid in ((1, "a"), (20, "b"))]
+        return [Request(rid, list(range(i, i + 10)), SP(max_tokens=10))
+                for i, rid in ((1, "a"), (20, "b"))]
     expected, _ = run(make_scheduler(), reqs())
-    sched = make_scheduler(num_gpu_blocks=8, max_num_batched_tokens=12, enable_chunked_prefill=False)
+    sched = make_scheduler(num_gpu_blocks=8, max_num_batched_tokens=12,
+                           enable_chunked_prefill=False)
     outputs, steps = run(sched, reqs())
     assert outputs == expected and sched.num_preemptions_total > 0
     assert any(s.request_id == "b" and len(s.token_ids) == 12 and not s.do_sample
@@ -319,7 +321,8 @@ def test_stop_conditions():
         "len": (SP(max_tokens=2), [5, 5], "length", None),
         "model_len": (SP(max_tokens=None), [5, 5, 5], "length", None),
     }
-    reqs = {rid: Request(rid, list(range(10)), sp, eos_token_id=7) for rid, (sp, *_) in cases.items()}
+    reqs = {rid: Request(rid, list(range(10)), sp, eos_token_id=7)
+            for rid, (sp, *_) in cases.items()}
     for r in reqs.values():
         sched.add_request(r)
     finished = []
@@ -366,7 +369,8 @@ def test_abort_swapped_and_random_aborts_never_leak():
                 sched.finish_requests(sched.swapped[-1].request_id, RequestStatus.FINISHED_ABORTED)
                 aborted_swapped = True
             elif rng.random() < 0.1:
-                sched.finish_requests(rng.choice(list(sched.requests)), RequestStatus.FINISHED_ABORTED)
+                sched.finish_requests(rng.choice(list(sched.requests)),
+                                      RequestStatus.FINISHED_ABORTED)
             step(sched, runner)
         assert aborted_swapped
         check_no_leak(sched)

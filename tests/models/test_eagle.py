@@ -84,7 +84,8 @@ def attention(t, pre, x, pos):
     s = np.where(np.tril(np.ones((len(x), len(x)), bool)), s, -np.inf)
     p = np.exp(s - s.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
-    return np.einsum("hqk,khd->qhd", p, v).reshape(len(x), -1) @ t[pre + "self_attn.o_proj.weight"].T
+    return (np.einsum("hqk,khd->qhd", p, v).reshape(len(x), -1)
+            @ t[pre + "self_attn.o_proj.weight"].T)
 
 
 def mlp(t, pre, x):

@@ -138,7 +138,8 @@ def make_legacy_cls_folder(folder: str, source: str) -> str:
         shutil.rmtree(os.path.join(folder, d), ignore_errors=True)
     os.makedirs(os.path.join(folder, "1_Pooling"))
     with open(os.path.join(folder, "modules.json"), "w") as f:
-        json.dump([{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        json.dump([{"idx": 0, "name": "0", "path": "",
+                    "type": "sentence_transformers.models.Transformer"},
                    {"idx": 1, "name": "1", "path": "1_Pooling",
                     "type": "sentence_transformers.models.Pooling"}], f)
     with open(os.path.join(folder, "1_Pooling", "config.json"), "w") as f:

@@ -63,7 +63,8 @@ def test_pipelines_read_from_the_folder(embed_model, llms):
     older hub spelling), last token for the decoder."""
     info = {n: llms(n).llm_engine.info for n in ("bert", "bert_cls_legacy", "qwen3", "xlmr")}
     assert (info["bert"].pooling_type, info["bert"].normalize) == ("MEAN", True)
-    assert (info["bert_cls_legacy"].pooling_type, info["bert_cls_legacy"].normalize) == ("CLS", False)
+    assert (info["bert_cls_legacy"].pooling_type,
+            info["bert_cls_legacy"].normalize) == ("CLS", False)
     assert (info["qwen3"].pooling_type, info["xlmr"].pooling_type) == ("LAST", "CLS")
     norms = np.linalg.norm(stacked(llms("bert_cls_legacy").embed(texts(4), use_tqdm=False)), axis=1)
     assert np.all(np.abs(norms - 1) > 1e-3)       # not normalized

@@ -32,7 +32,8 @@ def folder(tmp_path, config: dict, modules: list | None = None, files: dict | No
 def st_modules(*kinds):
     paths = {"Transformer": "", "Pooling": "1_Pooling", "Normalize": "2_Normalize",
              "Dense": "2_Dense"}
-    return [{"idx": i, "name": str(i), "path": paths[k], "type": f"sentence_transformers.models.{k}"}
+    return [{"idx": i, "name": str(i), "path": paths[k],
+             "type": f"sentence_transformers.models.{k}"}
             for i, k in enumerate(kinds)]
 
 
@@ -65,8 +66,8 @@ def test_defaults_and_limits(tmp_path):
 
 
 @pytest.mark.parametrize("modules, files, words", [
-    (st_modules("Transformer", "Pooling", "Dense"), {"1_Pooling/config.json": {"pooling_mode": "cls"}},
-     "Dense"),
+    (st_modules("Transformer", "Pooling", "Dense"),
+     {"1_Pooling/config.json": {"pooling_mode": "cls"}}, "Dense"),
     (st_modules("Transformer", "Pooling"), {"1_Pooling/config.json": {"pooling_mode": "max"}},
      "'max' is not supported"),
     (st_modules("Transformer", "Pooling"),

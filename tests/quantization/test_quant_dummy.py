@@ -73,7 +73,8 @@ def test_dummy_gptq_weights_dequantize_to_the_float_range(tmp_path):
                          bits=4, group=128)
     loaded = load_model(folder, "float32", "dummy")
     state = dict(nnx.to_flat_state(loaded.state))
-    leaf = lambda name: np.asarray(state[("layers", 0, "mlp", "down_proj", name)].get_value())  # noqa: E731
+    leaf = lambda name: np.asarray(  # noqa: E731
+        state[("layers", 0, "mlp", "down_proj", name)].get_value())
     w, s, z = leaf("weight"), leaf("weight_scale"), leaf("weight_zero_point")
     q = np.stack([w & 15, w >> 4], -1).reshape(w.shape[0], -1).astype(np.float32)
     wf = (q - z[:, :1]) * s[:, :1]
@@ -92,7 +93,8 @@ def test_dummy_4bit_on_a_float_config(tiny_model, kind):
     scheme = loaded.quant.scheme("layers.0.mlp.down_proj")
     assert scheme.weight == "uint4" and scheme.group == 128 and scheme.act is None
     state = dict(nnx.to_flat_state(loaded.state))
-    leaf = lambda name: np.asarray(state[("layers", 0, "mlp", "down_proj", name)].get_value())  # noqa: E731
+    leaf = lambda name: np.asarray(  # noqa: E731
+        state[("layers", 0, "mlp", "down_proj", name)].get_value())
     w, s, z = leaf("weight"), leaf("weight_scale"), leaf("weight_zero_point")
     a = loaded.arch
     assert w.dtype == np.uint8 and w.shape == (a.hidden_size, a.intermediate_size // 2)

@@ -117,7 +117,8 @@ def test_top_k_matches_reference(top_k_top_p):
 def test_top_p_matches_reference():
     logits = _logits(5, seed=1)
     top_p = np.array([1.0, 0.9, 0.5, 0.1, 1e-6], np.float32)
-    got = np.asarray(apply_top_k_top_p(jnp.asarray(logits), jnp.zeros(5, jnp.int32), jnp.asarray(top_p)))
+    got = np.asarray(apply_top_k_top_p(jnp.asarray(logits), jnp.zeros(5, jnp.int32),
+                                       jnp.asarray(top_p)))
     _assert_same_support(got, ref_top_k_top_p(logits, np.zeros(5, int), top_p))
     assert np.isfinite(got[-1]).sum() == 1  # tiny p still keeps the argmax
 

@@ -212,7 +212,8 @@ def test_idle_engine_process_and_threads_sleep(mp_engine):
     """Nothing to do: the engine process and the server's reader and writer threads
     block (on the pipes, a condition variable) rather than poll."""
     stats = [f"/proc/{mp_engine.process.pid}/stat"] + [
-        f"/proc/self/task/{t.native_id}/stat" for t in (mp_engine.engine_core._reader, mp_engine.engine_core._writer)]
+        f"/proc/self/task/{t.native_id}/stat"
+        for t in (mp_engine.engine_core._reader, mp_engine.engine_core._writer)]
     before = [_cpu_seconds(path) for path in stats]
     time.sleep(0.5)
     used = [_cpu_seconds(path) - b for path, b in zip(stats, before)]

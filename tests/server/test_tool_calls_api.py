@@ -30,7 +30,8 @@ TIME = {"type": "function", "function": {
 TOOLS = [WEATHER, TIME]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 ASK = [{"role": "user", "content": "weather in Paris?"}]
-HERMES_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
+HERMES_CALL = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}'
+               '\n</tool_call>')
 
 # Tools rendered by name only: the tiny model's context is 512 tokens.
 TEMPLATE = """{%- if tools %}<|im_start|>system

@@ -137,7 +137,8 @@ def test_no_compilation_after_warm_up(target, heads):
     llm = eagle_llm(target, heads, "eagle3", enforce_eager=False)
     ps = prompts(llm.llm_engine.arch.vocab_size, n=6, seed=9)
     compiles = []
-    listener = lambda name, *a, **k: compiles.append(name) if "backend_compile" in name else None  # noqa: E731
+    listener = lambda name, *a, **k: (  # noqa: E731
+        compiles.append(name) if "backend_compile" in name else None)
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
         generate(llm, ps)

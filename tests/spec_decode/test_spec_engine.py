@@ -125,9 +125,9 @@ def test_rejected_drafts_give_their_slots_back(target):
     p = [5, 6, 7, 8] * 6
     truth = {tuple(p): p + generate(LLM(target, **ENGINE), [p])[0][0][0]}
     oracle = NoisyOracle(truth)
-    oracle.propose = lambda reqs, ks, tables: [[(t + 1) % 300 for t in
-                                                truth[tuple(r.prompt_token_ids)][r.num_tokens:r.num_tokens + k]]
-                                               for r, k in zip(reqs, ks)]   # all wrong
+    oracle.propose = lambda reqs, ks, tables: [
+        [(t + 1) % 300 for t in truth[tuple(r.prompt_token_ids)][r.num_tokens:r.num_tokens + k]]
+        for r, k in zip(reqs, ks)]   # all wrong
     llm.llm_engine.executor.proposer = oracle
     eng = llm.llm_engine
     eng.add_request("r", {"prompt_token_ids": p}, GREEDY)
@@ -154,7 +154,8 @@ def test_no_compilation_after_warm_up(target, references):
     llm.llm_engine.executor.proposer = NoisyOracle(
         {tuple(p): p + g[0][0] for p, g in zip(ps, greedy_ref)})
     compiles = []
-    listener = lambda name, *a, **k: compiles.append(name) if "backend_compile" in name else None  # noqa: E731
+    listener = lambda name, *a, **k: (  # noqa: E731
+        compiles.append(name) if "backend_compile" in name else None)
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
         mixed = [GREEDY, SamplingParams(temperature=0.7, top_k=5, seed=1, max_tokens=9),

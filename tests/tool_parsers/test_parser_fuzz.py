@@ -32,7 +32,8 @@ VALID = {
     "llama3_json": ['<|python_tag|>{"name": "f", "parameters": {"n": 1}}; '
                     '{"name": "g", "arguments": {"s": ["東京"]}}'],
     "mistral": ['Hm.[TOOL_CALLS]f[ARGS]{"n": 1}[TOOL_CALLS]g[CALL_ID]abcDEF123[ARGS]{}',
-                '[TOOL_CALLS][{"name": "f", "arguments": {"n": 1}}, {"name": "g", "arguments": {}}]'],
+                '[TOOL_CALLS][{"name": "f", "arguments": {"n": 1}}, '
+                '{"name": "g", "arguments": {}}]'],
     "pythonic": ["[f(n=1, s='a)'), g(x=[1, {'a': (2, 3)}], y=\"\"\"q\"\"\")]"],
 }
 NAMES = list(VALID)

@@ -178,7 +178,8 @@ class ChoiceParser:
             self._send_content(piece, out)
         elif self.mode == "named":
             if not self._calls:
-                self._calls.append([make_tool_call_id(), self.request.tool_choice.function.name, ""])
+                self._calls.append(
+                    [make_tool_call_id(), self.request.tool_choice.function.name, ""])
                 out["tool_calls"] = [_call_dict(0, self._calls[0][0], self._calls[0][1], "")]
             self._send_arguments(0, self._calls[0][2] + piece, out)
         elif self.mode == "auto":
