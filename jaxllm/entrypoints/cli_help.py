@@ -10,17 +10,18 @@ ENGINE_HELP = {
     "load_format": "auto | safetensors | gguf | dummy (random weights of the model's shape, "
                    "built on the device)",
     "seed": "seed for random weights and for requests that set none",
-    "quantization": "fp8 | int8: quantize a float model's linear layers at load (W8A8, "
-                    "per-channel weights, per-token activations); default: the "
-                    "checkpoint's quantization_config (compressed-tensors, fp8, awq, "
-                    "gptq)",
+    "quantization": "fp8 (= ptpc_fp8) | int8: quantize a float model's linear layers at "
+                    "load (W8A8, per-channel weights, per-token activations); default: "
+                    "the checkpoint's quantization_config (compressed-tensors, fp8, awq "
+                    "= awq_marlin, gptq = gptq_marlin)",
     "served_model_name": "name(s) the server answers to; default: the model path",
     "chat_template": "Jinja file overriding the tokenizer's chat template",
     "generation_config": "sampling defaults: auto (model's generation_config.json) | vllm | DIR",
     "runner": "generate | pooling (embeddings); auto: pooling for encoders and bare decoders",
     "block_size": "tokens per KV-cache block: 8, 16 or 32",
     "gpu_memory_utilization": "fraction of GPU memory for weights, activations and KV cache",
-    "kv_cache_dtype": "auto (the model dtype) or fp8 (e4m3: twice the KV blocks)",
+    "kv_cache_dtype": "auto (the model dtype), fp8 (= fp8_e4m3: twice the KV blocks) or "
+                      "fp8_e5m2",
     "swap_space": "GiB of host memory for KV blocks of preempted requests (preemption swap)",
     "enable_prefix_caching": "reuse the KV blocks of prompt prefixes seen before",
     "cpu_kv_cache_bytes": "KV-pool bytes on CPU, where there is no device memory to profile",
