@@ -3,8 +3,9 @@ native FP8) or quantized at load from float weights (online fp8 / int8), in the
 layout models/llama.py's QuantLinear holds: weight [N..., K...], scales per output
 channel [N...] (or per block, repeated per row: [N..., K/bk]), input_scale a scalar.
 
-Every quantized tensor's dtype and shape, and its scales' shapes, are checked when
-QuantWeights is built, before the loader moves any weight to the device.
+Every quantized tensor's dtype and shape, its scales' shapes and values, and act-order
+g_idx maps are checked when QuantWeights is built, before the loader moves any weight
+to the device.
 
 Letter legend: N output rows of one HF module, K its input width, Nb/Kg block counts.
 """

@@ -49,13 +49,16 @@ def woq_config(method: str, qc: dict, num_layers: int, source: str) -> QuantConf
                                   "(gptq, gptq_v2)")
         if qc.get("lm_head"):
             raise CheckpointError(f"{where}.lm_head=true: a quantized lm_head is not supported")
+        if qc.get("dynamic"):    # GPTQModel's per-module overrides of bits / group_size
+            raise CheckpointError(f"{where}.dynamic is set: per-module GPTQ settings are not "
+                                  "supported (one bits and group_size for every module)")
         scheme = LinearScheme(kind, group=_group(qc.get("group_size", 128), where),
                               g_idx=bool(qc.get("desc_act")))
         layout, skip = fmt, []
     else:
-        if qc.get("bits", qc.get("w_bit")) != 4:
-            raise CheckpointError(f"{where}: bits={qc.get('bits')!r} is not supported for "
-                                  "awq (4)")
+        bits = qc.get("bits", qc.get("w_bit"))
+        if bits != 4:
+            raise CheckpointError(f"{where}: bits={bits!r} is not supported for awq (4)")
         version = str(qc.get("version", "gemm")).lower()
         if version != "gemm":
             raise CheckpointError(f"{where}.version={version!r} is not supported (gemm)")
@@ -74,6 +77,8 @@ def pack_quantized_scheme(w: dict, act, where: str) -> LinearScheme:
                               "with quantized activations are not supported (W4A16/W8A16 are)")
     if w.get("type", "int") != "int":
         raise CheckpointError(f"{where}.weights.type={w.get('type')!r} is not supported (int)")
+    if w.get("dynamic"):
+        raise CheckpointError(f"{where}.weights.dynamic is set; weights need stored scales")
     kind = _kind(w.get("num_bits"), f"{where}.weights")
     strategy = w.get("strategy")
     if strategy == "group":
@@ -148,16 +153,31 @@ def check_part(reader, layout: str, part: str, n: int, k: int, scheme: LinearSch
                 f"{reader.location(name)}: tensor {name} is {reader.dtype(name)} {got}, which "
                 f"does not fit the weight ({n}, {k}) in {b}-bit groups of "
                 f"{min(scheme.group, k)} (expected {dtypes[0]} {shape})")
+    groups = -(-k // scheme.group)
     zp = f"{part}.weight_zero_point"
     if layout == "pack" and reader.has(zp):
-        want = (n * b // 32, -(-k // scheme.group))
+        want = (n * b // 32, groups)
         if tuple(reader.shape(zp)) != want:
             raise CheckpointError(f"{reader.location(zp)}: tensor {zp} has shape "
                                   f"{tuple(reader.shape(zp))}, expected {want}")
+    # Values too, here and not when the part is unpacked: by then the loader has moved
+    # earlier projections to the device, and the launcher's check never unpacks.
+    scale = f"{part}.weight_scale" if layout == "pack" else f"{part}.scales"
+    s = reader.get(scale)
+    if not (np.isfinite(s).all() and (s > 0).all()):
+        raise CheckpointError(f"{reader.location(scale)}: scale {scale} has values that are "
+                              "not finite and positive")
+    if scheme.g_idx:
+        name = g_idx_name(layout, part)
+        g_idx = np.asarray(reader.raw(name))
+        if g_idx.min() < 0 or g_idx.max() >= groups:
+            raise CheckpointError(f"{reader.location(name)}: g_idx of {part} names groups "
+                                  f"outside 0..{groups - 1}")
 
 
 def load_part(reader, layout: str, part: str, n: int, k: int, scheme: LinearScheme):
-    """(q [N, K] uint8, scale [N, G] f32, zero [N, G] f32, g_idx [K] int32 or None)."""
+    """(q [N, K] uint8, scale [N, G] f32, zero [N, G] f32, g_idx [K] int32 or None), of
+    a part check_part has passed."""
     b = _bits(scheme)
     raw, get = reader.raw, reader.get
     g_idx = None
@@ -182,9 +202,6 @@ def load_part(reader, layout: str, part: str, n: int, k: int, scheme: LinearSche
             z = np.full(s.shape, 1 << (b - 1), np.float32)
         if scheme.g_idx:
             g_idx = np.asarray(raw(g_idx_name(layout, part)), np.int32)
-    if g_idx is not None and (g_idx.min() < 0 or g_idx.max() >= s.shape[1]):
-        raise CheckpointError(f"{reader.location(part + '.x')}: g_idx of {part} names groups "
-                              f"outside 0..{s.shape[1] - 1}")
     return np.ascontiguousarray(q), np.ascontiguousarray(s, np.float32), \
         np.ascontiguousarray(z, np.float32), g_idx
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 
 import numpy as np
 import torch
@@ -154,6 +155,26 @@ def write_native_fp8(folder: str, hf, block=(128, 128)) -> None:
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
     build_tokenizer(folder)
+
+
+def edited_copy(src: str, dst, edit_config=None, edit_tensors=None) -> str:
+    """A copy of the checkpoint folder `src` at `dst`, its config.json dict and its
+    model.safetensors tensors (name -> torch tensor) edited in place by the callbacks."""
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(src, dst)
+    path = os.path.join(dst, "config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    if edit_config:
+        edit_config(cfg)
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+    if edit_tensors:
+        st = os.path.join(dst, "model.safetensors")
+        tensors = load_file(st)
+        edit_tensors(tensors)
+        save_file(tensors, st)
+    return str(dst)
 
 
 # ---------------------------------------------------------------- oracle

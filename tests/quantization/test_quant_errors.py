@@ -6,14 +6,9 @@ disagreeing with the checkpoint. The base checkpoint is a compressed-tensors INT
 tiny Llama packed by the compressed-tensors package (quant_util)."""
 from __future__ import annotations
 
-import json
-import os
-import shutil
-
 import jax
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 import quant_util as qu
 from jaxllm.config import ConfigError
@@ -27,23 +22,6 @@ def w8a8(tmp_path_factory):
     folder = str(tmp_path_factory.mktemp("ct-w8a8"))
     qu.write_compressed_tensors(folder, qu.make_model(folder, "llama"), "W8A8")
     return folder
-
-
-def _copy(src, dst, edit_config=None, edit_tensors=None) -> str:
-    shutil.copytree(src, dst)
-    path = os.path.join(dst, "config.json")
-    with open(path) as f:
-        cfg = json.load(f)
-    if edit_config:
-        edit_config(cfg)
-    with open(path, "w") as f:
-        json.dump(cfg, f)
-    if edit_tensors:
-        st = os.path.join(dst, "model.safetensors")
-        tensors = load_file(st)
-        edit_tensors(tensors)
-        save_file(tensors, st)
-    return str(dst)
 
 
 def _group(cfg):
@@ -87,6 +65,27 @@ CASES = {
                        None, "strategy='group' is not supported"),
     "kv_cache_scheme": (_set(["kv_cache_scheme"], {"num_bits": 8, "type": "float"}), None,
                         "kv_cache_scheme is set; jaxllm does not implement it"),
+    "sparsity_config": (_set(["sparsity_config"], {"format": "sparse-24-bitmask"}), None,
+                        "quantization_config.sparsity_config is set; jaxllm does not "
+                        "implement it"),
+    "transform_config": (_set(["transform_config"], {"config_groups": {"u": {}}}), None,
+                         "quantization_config.transform_config is set; jaxllm does not "
+                         "implement it"),
+    "empty_config_groups": (_set(["config_groups"], {}), None,
+                            "quantization_config.config_groups is empty"),
+    "two_groups_one_module": (
+        lambda c: c["quantization_config"]["config_groups"].update(
+            group_1=dict(_group(c), targets=["re:.*down_proj"])), None,
+        "model.layers.0.mlp.down_proj matches config groups group_0, group_1; give each "
+        "module one group"),
+    "dynamic_weights": (_set(["config_groups", "group_0", "weights", "dynamic"], True), None,
+                        "config_groups.group_0.weights.dynamic is set; weights need stored "
+                        "scales"),
+    "pack_quantized_dynamic_weights": (
+        lambda c: (_set(["format"], "pack-quantized")(c),
+                   _group(c).update(format="pack-quantized", input_activations=None),
+                   _group(c)["weights"].update(dynamic=True)),
+        None, "config_groups.group_0.weights.dynamic is set; weights need stored scales"),
     "output_activations": (_set(["config_groups", "group_0", "output_activations"],
                                 {"num_bits": 8, "type": "int"}), None,
                            "output_activations is set"),
@@ -130,7 +129,7 @@ def no_device_puts(monkeypatch):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_refused_before_any_weight_moves(w8a8, tmp_path, no_device_puts, case):
     edit_config, edit_tensors, message = CASES[case]
-    folder = _copy(w8a8, tmp_path / "ckpt", edit_config, edit_tensors)
+    folder = qu.edited_copy(w8a8, tmp_path / "ckpt", edit_config, edit_tensors)
     with pytest.raises(CheckpointError) as e:
         load_model(folder, "float32")
     assert message in str(e.value), str(e.value)
@@ -179,7 +178,7 @@ def test_unknown_quantization_setting():
 @pytest.mark.parametrize("case", ["scale_shape", "unknown_quant_method"])
 def test_cli_one_line_exit_2(w8a8, tmp_path, capsys, case):
     edit_config, edit_tensors, message = CASES[case]
-    folder = _copy(w8a8, tmp_path / "ckpt", edit_config, edit_tensors)
+    folder = qu.edited_copy(w8a8, tmp_path / "ckpt", edit_config, edit_tensors)
     with pytest.raises(SystemExit) as e:
         main(["generate", folder, "--prompt", "hi", "--compilation-cache-dir", "none"])
     err = capsys.readouterr().err.strip().splitlines()
