@@ -88,7 +88,8 @@ def pack_quantized_scheme(w: dict, act, where: str) -> LinearScheme:
     else:
         raise CheckpointError(f"{where}.weights.strategy={strategy!r} is not supported for "
                               "pack-quantized (group, channel)")
-    return LinearScheme(kind, group=group, g_idx=w.get("actorder") == "group")
+    return LinearScheme(kind, group=group, g_idx=w.get("actorder") == "group",
+                        zero_point=w.get("symmetric") is False)
 
 
 # ---------------------------------------------------------------- tensors
@@ -155,6 +156,9 @@ def check_part(reader, layout: str, part: str, n: int, k: int, scheme: LinearSch
                 f"{min(scheme.group, k)} (expected {dtypes[0]} {shape})")
     groups = -(-k // scheme.group)
     zp = f"{part}.weight_zero_point"
+    if layout == "pack" and scheme.zero_point and not reader.has(zp):
+        raise CheckpointError(f"{reader.location(part + '.weight_packed')}: the config "
+                              f"says asymmetric weights, but {zp} is missing")
     if layout == "pack" and reader.has(zp):
         want = (n * b // 32, groups)
         if tuple(reader.shape(zp)) != want:
