@@ -34,6 +34,7 @@ class LoadedModel:
     state: nnx.State
     source: str
     quant: object = None     # the QuantConfig the model was built with, or None
+    kv_scales: tuple | None = None   # the checkpoint's fp8 KV scales: (k, v) per layer
 
 
 # Target parameter (path under the model, {i} = layer) <- HF tensor names and how
@@ -327,7 +328,7 @@ class SafetensorsReader:
 def load_hf_folder(folder: str, dtype_name: str, shardings: Callable,
                    quantization: str | None = None, tp: int = 1) -> LoadedModel:
     from jaxllm.models.quant_config import resolve_for_tp
-    from jaxllm.models.quant_loader import check_float_tensors
+    from jaxllm.models.quant_loader import check_float_tensors, kv_cache_scales
     hf = read_hf_config(folder)
     arch = arch_from_hf_config(hf, os.path.join(folder, "config.json"))
     quant = resolve_for_tp(hf, quantization, arch, os.path.join(folder, "config.json"), tp)
@@ -338,7 +339,8 @@ def load_hf_folder(folder: str, dtype_name: str, shardings: Callable,
                               "(config says tie_word_embeddings=false)")
     check_float_tensors(reader, quant, folder)
     graphdef, state = load_state(arch, dtype, reader, shardings, folder, quant)
-    return LoadedModel(arch, graphdef, state, folder, quant)
+    return LoadedModel(arch, graphdef, state, folder, quant,
+                       kv_cache_scales(reader, quant, arch.num_layers))
 
 
 # ---------------------------------------------------------------- entry point

@@ -4,8 +4,8 @@ here, in one line naming it, before a weight is read. No jax: the launcher runs 
 
 Formats: compressed-tensors `float-quantized` (FP8: per-tensor, per-channel or block
 weight scales; dynamic per-token, static per-tensor or dynamic per-group activations)
-and `int-quantized` (int8 W8A8 / W8A16: per-channel or per-tensor weight scales);
-native FP8 (`quant_method: fp8`: e4m3 weights, `weight_scale_inv` per block or
+and `int-quantized` (int8 W8A8 / W8A16: per-channel or per-tensor weight scales), with
+or without a `kv_cache_scheme` (per-layer static fp8 KV scales); native FP8 (`quant_method: fp8`: e4m3 weights, `weight_scale_inv` per block or
 `weight_scale` per tensor). Online: `fp8` and `int8` on a float checkpoint.
 """
 from __future__ import annotations
@@ -114,9 +114,10 @@ def _block(block, where: str) -> tuple[int, int]:
 
 def _compressed_tensors(qc: dict, num_layers: int, source: str) -> QuantConfig:
     where = f"{source}: quantization_config"
-    for key in ("kv_cache_scheme", "sparsity_config", "transform_config"):
+    for key in ("sparsity_config", "transform_config"):
         if qc.get(key):
             raise CheckpointError(f"{where}.{key} is set; jaxllm does not implement it")
+    kv_scales = _kv_cache_scheme(qc.get("kv_cache_scheme"), f"{where}.kv_cache_scheme")
     groups = qc.get("config_groups") or {}
     if not groups:
         raise CheckpointError(f"{where}.config_groups is empty")
@@ -142,7 +143,23 @@ def _compressed_tensors(qc: dict, num_layers: int, source: str) -> QuantConfig:
         f"{where}: {names[0]} and {names[1]} are quantized differently; jaxllm fuses them "
         "into one matmul"))
     layout = "pack" if any(s.group is not None for _, s in schemes) else ""
-    return QuantConfig("compressed-tensors", False, tuple(schemes), layout)
+    return QuantConfig("compressed-tensors", False, tuple(schemes), layout, kv_scales)
+
+
+def _kv_cache_scheme(kv: dict | None, where: str) -> bool:
+    """Whether the checkpoint stores fp8 KV-cache scales: what llm-compressor writes
+    (8-bit float, one static scale per tensor, symmetric) is read; other KV schemes
+    are refused."""
+    if not kv:
+        return False
+    want = dict(num_bits=8, type="float", strategy="tensor", dynamic=False, symmetric=True)
+    got = {key: kv.get(key, want[key] if key != "num_bits" else None) for key in want}
+    if got["strategy"] is None:          # compressed-tensors' default for the KV cache
+        got["strategy"] = "tensor"
+    if got != want:
+        raise CheckpointError(f"{where}={kv!r} is not supported (8-bit float, per tensor, "
+                              "static, symmetric: fp8 KV scales)")
+    return True
 
 
 def _targets(group: dict, where: str) -> list[str]:

@@ -79,6 +79,9 @@ class QuantWeights:
         if not quant.online:
             for module, scheme in quant.schemes:
                 self._check(module, scheme)
+        for name in kv_scale_names(quant, arch.num_layers):
+            self._need(name, "the kv_cache_scheme says the KV scales are stored")
+            self._float_tensor(name, [(), (1,)], "a per-tensor KV-cache scale")
 
     def owns(self, name: str) -> bool:
         return name.rsplit(".", 1)[0] in dict(self.quant.schemes)
@@ -139,10 +142,10 @@ class QuantWeights:
                 self._need(i)
                 self._float_tensor(i, [(), (1,)], "a static per-tensor activation scale")
 
-    def _need(self, name: str) -> None:
+    def _need(self, name: str, why: str = "the quantization_config says this module "
+              "is quantized") -> None:
         if not self.reader.has(name):
-            raise CheckpointError(f"{self.source}: missing tensor {name} (the "
-                                  "quantization_config says this module is quantized)")
+            raise CheckpointError(f"{self.source}: missing tensor {name} ({why})")
 
     def _float_tensor(self, name: str, shapes: list[tuple], what: str) -> None:
         r = self.reader
@@ -246,6 +249,22 @@ def quantize_per_channel(w: np.ndarray, nk: int, kind: str):
     else:
         q = np.clip(np.round(y), -INT8_MAX - 1, INT8_MAX).astype(np.int8)
     return q, scale
+
+
+def kv_scale_names(quant: QuantConfig | None, num_layers: int) -> list[str]:
+    """The checkpoint's fp8 KV-cache scales (kv_cache_scheme), layer by layer: k, v."""
+    if quant is None or not quant.kv_scales:
+        return []
+    return [f"model.layers.{i}.self_attn.{kv}_scale" for i in range(num_layers)
+            for kv in "kv"]
+
+
+def kv_cache_scales(reader, quant: QuantConfig | None, num_layers: int):
+    """((k_scale, v_scale) per layer) as floats, or None without a kv_cache_scheme;
+    QuantWeights has checked them."""
+    names = kv_scale_names(quant, num_layers)
+    values = [float(reader.get(n).reshape(-1)[0]) for n in names]
+    return tuple(zip(values[0::2], values[1::2])) or None
 
 
 def check_float_tensors(reader, quant: QuantConfig | None, source: str) -> None:

@@ -8,6 +8,7 @@ and S sequences of a step.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -32,6 +33,20 @@ def cache_dtype(cache: CacheConfig, model_dtype):
     if not cache.is_fp8:
         return model_dtype
     return jnp.float8_e5m2 if cache.kv_cache_dtype == "fp8_e5m2" else jnp.float8_e4m3fn
+
+
+def layer_scales(cache: CacheConfig, kv_scales: tuple | None) -> tuple | None:
+    """A checkpoint's per-layer fp8 KV scales (kv_cache_scheme) where they apply: an
+    e4m3 pool, which stores each layer's keys and values divided by them, as vLLM's
+    does. A float pool, or an e5m2 one (vLLM's runs unscaled), leaves them unused."""
+    if kv_scales is None:
+        return None
+    if cache_dtype(cache, jnp.float32) != jnp.float8_e4m3fn:
+        logging.getLogger(__name__).info(
+            "the checkpoint's fp8 KV-cache scales are unused with kv_cache_dtype=%s (they "
+            "scale an fp8 / fp8_e4m3 cache)", cache.kv_cache_dtype)
+        return None
+    return kv_scales
 
 
 def bytes_per_block(arch: ArchConfig, block_size: int, dtype) -> int:

@@ -64,11 +64,11 @@ class ModelRunner:
         self.spec = AttentionSpec(
             sm_scale=self.arch.head_dim ** -0.5, backend=backend,
             sliding_window=self.arch.sliding_window, mesh=mesh,
+            layer_kv_scales=kv_cache.layer_scales(config.cache, loaded.kv_scales),
             # Pallas on a CPU runs its kernels through the interpreter (tests).
             interpret=backend == "pallas" and jax.devices()[0].platform == "cpu")
         self.model_dtype = jax.tree.leaves(self.state)[0].dtype
-        self.kv_caches = self.last_hidden = None
-        self.num_blocks = 0
+        self.kv_caches, self.last_hidden, self.num_blocks = None, None, 0
         self._replicated = mesh_lib.replicated(mesh)
         self._token_buf = jnp.zeros(self.plan.max_seqs, jnp.int32, device=self._replicated)
         self.logits_bufs = LogitsBuffers(self.arch.vocab_size, self._replicated, self.plan)

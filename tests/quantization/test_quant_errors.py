@@ -63,8 +63,13 @@ CASES = {
                    "symmetric=false (zero points) is not supported"),
     "group_strategy": (_set(["config_groups", "group_0", "weights", "strategy"], "group"),
                        None, "strategy='group' is not supported"),
-    "kv_cache_scheme": (_set(["kv_cache_scheme"], {"num_bits": 8, "type": "float"}), None,
-                        "kv_cache_scheme is set; jaxllm does not implement it"),
+    "kv_scales_missing": (_set(["kv_cache_scheme"], {"num_bits": 8, "type": "float"}), None,
+                          "missing tensor model.layers.0.self_attn.k_scale (the "
+                          "kv_cache_scheme says the KV scales are stored)"),
+    "kv_cache_scheme_dynamic": (_set(["kv_cache_scheme"], {"num_bits": 8, "type": "float",
+                                                           "dynamic": True}), None,
+                                "is not supported (8-bit float, per tensor, static, "
+                                "symmetric: fp8 KV scales)"),
     "sparsity_config": (_set(["sparsity_config"], {"format": "sparse-24-bitmask"}), None,
                         "quantization_config.sparsity_config is set; jaxllm does not "
                         "implement it"),

@@ -98,6 +98,9 @@ class QuantConfig:
     # How uint4 / uint8 weights are packed: awq, gptq (zeros stored minus one),
     # gptq_v2, or pack (compressed-tensors pack-quantized); "" for the 8-bit formats.
     layout: str = ""
+    # compressed-tensors kv_cache_scheme: each layer's self_attn.k_scale / v_scale, the
+    # per-tensor scales of an fp8 KV cache (used with --kv-cache-dtype fp8).
+    kv_scales: bool = False
 
     def scheme(self, path: str) -> LinearScheme | None:
         return dict(self.schemes).get(path)
