@@ -5,8 +5,9 @@ here, in one line naming it, before a weight is read. No jax: the launcher runs 
 Formats: compressed-tensors `float-quantized` (FP8: per-tensor, per-channel or block
 weight scales; dynamic per-token, static per-tensor or dynamic per-group activations)
 and `int-quantized` (int8 W8A8 / W8A16: per-channel or per-tensor weight scales), with
-or without a `kv_cache_scheme` (per-layer static fp8 KV scales); native FP8 (`quant_method: fp8`: e4m3 weights, `weight_scale_inv` per block or
-`weight_scale` per tensor). Online: `fp8` and `int8` on a float checkpoint.
+or without a `kv_cache_scheme` (per-layer static fp8 KV scales); native FP8
+(`quant_method: fp8`: e4m3 weights, `weight_scale_inv` per block or `weight_scale` per
+tensor). Online: `fp8` and `int8` on a float checkpoint.
 """
 from __future__ import annotations
 
