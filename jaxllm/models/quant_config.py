@@ -206,8 +206,10 @@ def _ct_scheme(group: dict, model_format, where: str) -> LinearScheme:
     a = group.get("input_activations")
     act = None
     if a:
-        _check_args(a, kind, f"{where}.input_activations")
         s, dyn = a.get("strategy", "tensor"), a.get("dynamic", False)
+        # int8 with a zero point per token (vLLM's azp W8A8): the layer's asymmetric path
+        asym = kind == "int8" and dyn is True and s == "token"
+        _check_args(a, kind, f"{where}.input_activations", allow_asymmetric=asym)
         if block is not None:
             if not (dyn is True and s == "group" and a.get("group_size") == block[1]):
                 raise CheckpointError(
@@ -215,7 +217,7 @@ def _ct_scheme(group: dict, model_format, where: str) -> LinearScheme:
                     f"activations of group_size {block[1]}")
             act = ActScheme(kind, True, block[1])
         elif dyn is True and s == "token":
-            act = ActScheme(kind, True)
+            act = ActScheme(kind, True, symmetric=a.get("symmetric", True) is not False)
         elif dyn is False and s == "tensor":
             act = ActScheme(kind, False)
         else:
@@ -225,12 +227,14 @@ def _ct_scheme(group: dict, model_format, where: str) -> LinearScheme:
     return LinearScheme(kind, block, act)
 
 
-def _check_args(args: dict, kind: str, where: str) -> None:
+def _check_args(args: dict, kind: str, where: str, allow_asymmetric: bool = False) -> None:
     want = "float" if kind == "fp8" else "int"
     if args.get("type", "int") != want or args.get("num_bits") != 8:
         raise CheckpointError(
             f"{where}: type={args.get('type')!r} num_bits={args.get('num_bits')!r} is not "
             f"supported in this format (type {want!r}, num_bits 8)")
-    if not args.get("symmetric", True):
-        raise CheckpointError(f"{where}.symmetric=false (zero points) is not supported")
+    if not args.get("symmetric", True) and not allow_asymmetric:
+        raise CheckpointError(f"{where}.symmetric=false (zero points) is not supported"
+                              + (" (int8 inputs with dynamic token scales are)"
+                                 if where.endswith("input_activations") else ""))
 

@@ -195,6 +195,8 @@ class QuantWeights:
             # (calibration of one input gives them all the same one).
             arrays["input_scale"] = np.asarray(
                 max(float(r.get(f"{p}.input_scale").reshape(-1)[0]) for p in parts), np.float32)
+        if scheme.act is not None and not scheme.act.symmetric:
+            arrays["azp_adj"] = azp_adj(weight, len(in_shape))
         return arrays
 
     def _grouped(self, proj, parts, out_shape, in_shape, hf_shapes, scheme) -> dict:

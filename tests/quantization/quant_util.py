@@ -67,7 +67,8 @@ def calibration_ids(vocab: int, seed: int = 5):
 
 def write_compressed_tensors(folder: str, hf, preset: str) -> None:
     """hf: a float32 HF model (modified in place: quantized and compressed).
-    preset: a compressed-tensors preset (FP8, FP8_DYNAMIC, INT8_W8A8, W8A16...)."""
+    preset: a compressed-tensors preset (FP8, FP8_DYNAMIC, INT8_W8A8, W8A16...), or
+    W8A8_AZP: W8A8 with asymmetric (zero-pointed) dynamic per-token activations."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (QuantizationConfig, QuantizationStatus,
                                                  apply_quantization_config,
@@ -75,7 +76,9 @@ def write_compressed_tensors(folder: str, hf, preset: str) -> None:
     from compressed_tensors.quantization.utils.helpers import calculate_qparams
     build_tokenizer = shared().build_tokenizer
     static_amax = _calibrate(hf)
-    scheme = preset_name_to_scheme(preset, ["Linear"])
+    scheme = preset_name_to_scheme(preset.replace("_AZP", ""), ["Linear"])
+    if preset.endswith("_AZP"):
+        scheme.input_activations.symmetric = False
     apply_quantization_config(hf, QuantizationConfig(config_groups={"group_0": scheme},
                                                      ignore=["lm_head"]))
     for name, m in hf.named_modules():

@@ -24,6 +24,8 @@ CASES = {
     "llama-fp8-static": ("llama", "FP8", "fp8", "tensor", {}),
     "llama-int8-w8a8": ("llama", "W8A8", "int8", "token", {}),
     "qwen3-int8-w8a8": ("qwen3", "W8A8", "int8", "token", {}),
+    # a zero point per token too (vLLM's azp W8A8)
+    "llama-int8-w8a8-azp": ("llama", "W8A8_AZP", "int8", "token_asym", {}),
     "llama-fp8-block": ("llama", "FP8_BLOCK", "fp8", "group", qu.BLOCK_SHAPES),
 }
 N = 24
@@ -59,6 +61,9 @@ def test_greedy_matches_dequantized_hf(checkpoints, case):
     a = llm.llm_engine.runner.arch
     g = a.num_heads // a.num_kv_heads
     assert w.shape == (a.num_kv_heads, g + 2, a.head_dim, a.hidden_size)
+    if mode == "token_asym":     # the zero points' correction: the weight's sums over K
+        adj = state[("layers", 0, "self_attn", "qkv_proj", "azp_adj")].get_value()
+        np.testing.assert_array_equal(adj, np.asarray(w).astype(np.int64).sum(axis=-1))
 
 
 def jnp_fp8():

@@ -61,6 +61,11 @@ CASES = {
                          "num_bits=4 is not supported"),
     "asymmetric": (_set(["config_groups", "group_0", "weights", "symmetric"], False), None,
                    "symmetric=false (zero points) is not supported"),
+    "static_asymmetric_inputs": (
+        lambda c: _group(c)["input_activations"].update(dynamic=False, strategy="tensor",
+                                                        symmetric=False), None,
+        "input_activations.symmetric=false (zero points) is not supported (int8 inputs "
+        "with dynamic token scales are)"),
     "group_strategy": (_set(["config_groups", "group_0", "weights", "strategy"], "group"),
                        None, "strategy='group' is not supported"),
     "kv_scales_missing": (_set(["kv_cache_scheme"], {"num_bits": 8, "type": "float"}), None,
