@@ -179,7 +179,7 @@ def check_model(config: EngineConfig):
     mc = config.model
     try:   # a quantized checkpoint jaxllm cannot run is refused before the weights load
         check_checkpoint(mc.model, mc.load_format, mc.quantization, arch,
-                         config.parallel.tensor_parallel_size)
+                         config.parallel.tensor_parallel_size, config.cache.kv_cache_dtype)
     except CheckpointError as e:
         raise ConfigError(f"model={mc.model!r}: {e}") from None
     from jaxllm.generation_config import get_diff_sampling_param

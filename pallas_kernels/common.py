@@ -252,6 +252,14 @@ def is_fp8(dtype) -> bool:
     return jnp.dtype(dtype).itemsize == 1
 
 
+def fp8_scaled(x, scale, dtype):
+    """x / scale in f32, saturated to fp8 `dtype`'s largest finite value, as vLLM's
+    KV write converts (SATFINITE): XLA's cast turns an out-of-range value into NaN,
+    where the GPU's conversion saturates; clipped first, every backend agrees."""
+    top = float(jnp.finfo(dtype).max)
+    return jnp.clip(x.astype(jnp.float32) / scale, -top, top)
+
+
 F16_MAX = 65504.0
 
 

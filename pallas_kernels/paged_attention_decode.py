@@ -346,6 +346,6 @@ def _new_kv(q_ref, k_row, hkv, d, dp, scales, cache_dtype):
     for row, scale in zip((k_row, k_row + hkv), scales):
         x = common.load_row(q_ref, row, d, dp)
         if common.is_fp8(cache_dtype):
-            x = x.astype(jnp.float32) / scale
+            x = common.fp8_scaled(x, scale, cache_dtype)
         out.append(x.astype(cache_dtype))
     return out

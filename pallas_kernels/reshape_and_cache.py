@@ -20,9 +20,10 @@ def ref_reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, k_scale=1.0, v_s
     """k, v: [T, Hkv, D]; k_cache, v_cache: [Hkv, NB, BS, D]; slot_mapping: i32[T].
 
     A negative slot (padding) writes nothing. With an fp8 cache the values are divided
-    by their scale before the cast. ``head_offsets=(kh, vh)``: k and v are one wider
-    array (e.g. the fused [T, Hq + 2 Hkv, D] q/k/v) whose heads kh.. and vh.. are the
-    keys and values. Returns the updated (k_cache, v_cache).
+    by their scale before the cast, saturating (common.fp8_scaled).
+    ``head_offsets=(kh, vh)``: k and v are one wider array (e.g. the fused
+    [T, Hq + 2 Hkv, D] q/k/v) whose heads kh.. and vh.. are the keys and values.
+    Returns the updated (k_cache, v_cache).
     """
     hkv, nb, bs, d = k_cache.shape
     if head_offsets is not None:
@@ -33,7 +34,7 @@ def ref_reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, k_scale=1.0, v_s
     idx = jnp.where(slot_mapping < 0, num_slots, slot_mapping)
 
     def write(cache, x, scale):
-        x = x.astype(jnp.float32) / scale if _is_fp8(cache.dtype) else x
+        x = common.fp8_scaled(x, scale, cache.dtype) if _is_fp8(cache.dtype) else x
         flat = cache.reshape(hkv, num_slots, d)
         flat = flat.at[:, idx].set(jnp.swapaxes(x, 0, 1).astype(cache.dtype), mode="drop")
         return flat.reshape(hkv, nb, bs, d)
@@ -99,5 +100,5 @@ def _write_kernel(slot_ref, k_ref, v_ref, kc_in, vc_in, kc_ref, vc_ref, *, hkv, 
                                      (v_ref, vc_ref, v_off, v_scale)):
         x = common.load_rows(x_ref, src + off, d, dp, ok)
         if fp8:
-            x = x.astype(jnp.float32) / scale
+            x = common.fp8_scaled(x, scale, c_ref.dtype)
         common.store_rows(c_ref, dst, x, d, ok)

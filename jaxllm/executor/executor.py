@@ -7,6 +7,7 @@ drive the same public execute_model as the leader (parallel/distributed.py).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -19,6 +20,7 @@ from jaxllm.config import (EngineConfig, check_against_model, check_device_count
 # were 2-3 s slower on the H200 host than alone.
 from jaxllm.models.loader import load_model
 from jaxllm.parallel import distributed, mesh as mesh_lib
+from jaxllm.runner.kv_cache import checkpoint_cache
 from jaxllm.runner.model_runner import ModelRunner
 from jaxllm.spec_decode.proposers import build_proposer, target_hidden_layers
 
@@ -36,6 +38,9 @@ class Executor:
                             mesh_lib.param_shardings(self.mesh), mc.seed, mc.quantization,
                             tp=self.mesh.size)
         self.weights_s = time.perf_counter() - t0
+        # A checkpoint's fp8 KV scales choose the cache (kv_cache.checkpoint_cache).
+        self.config = config = dataclasses.replace(config, cache=checkpoint_cache(
+            config.cache, loaded.kv_scales, loaded.source))
         self.arch, self.model_path = loaded.arch, loaded.source
         # The same checks the CLI runs before loading (context length, batch budget, TP).
         check_against_model(config, self.arch, loaded.source)

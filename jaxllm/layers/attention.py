@@ -61,16 +61,6 @@ class AttentionSpec:
         default_factory=lambda: env_switch("JAXLLM_DECODE_SPREAD"))
     decode_kv_write: bool = dataclasses.field(
         default_factory=lambda: env_switch("JAXLLM_DECODE_KV_WRITE", True))
-    # A checkpoint's per-layer fp8 KV scales ((k_scale, v_scale) per layer, its
-    # kv_cache_scheme), which for_layer puts in k_scale / v_scale; None: those two.
-    layer_kv_scales: tuple | None = None
-
-    def for_layer(self, i: int) -> "AttentionSpec":
-        """The spec layer i attends with: its own KV scales, where the pool has them."""
-        if self.layer_kv_scales is None:
-            return self
-        k, v = self.layer_kv_scales[i]
-        return dataclasses.replace(self, k_scale=k, v_scale=v, layer_kv_scales=None)
 
     @property
     def folds_kv_write(self) -> bool:

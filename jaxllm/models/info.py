@@ -30,7 +30,7 @@ def read_model_arch(model: str | None, load_format: str = "auto") -> tuple[ArchC
 
 
 def check_checkpoint(model, load_format: str, quantization: str | None, arch,
-                     tp: int = 1) -> None:
+                     tp: int = 1, kv_cache_dtype: str = "auto") -> None:
     """The launcher's check, before any backend starts: the quantization settings
     resolve and (for an HF folder's real weights) every quantized tensor and scale
     fits the layers the engine builds at tensor-parallel size `tp`. Raises
@@ -45,6 +45,10 @@ def check_checkpoint(model, load_format: str, quantization: str | None, arch,
     source = os.path.join(model, "config.json")
     quant = resolve_for_tp(read_hf_config(model), quantization, arch, source, tp,
                            dummy=load_format == "dummy")
+    if quant is not None and quant.kv_scales and kv_cache_dtype == "fp8_e5m2":
+        # (the executor's kv_cache.checkpoint_cache says the same after loading)
+        raise CheckpointError(f"kv_cache_dtype=fp8_e5m2: {model} stores fp8 KV scales "
+                              "(kv_cache_scheme) for an e4m3 cache; use fp8 or auto")
     if load_format == "dummy":
         return
     reader = SafetensorsReader(model)

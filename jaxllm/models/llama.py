@@ -188,8 +188,7 @@ class LlamaForCausalLM(nnx.Module):
             if i in aux_layers:
                 aux[i] = x
             with jax.named_scope(f"layer{i}"):
-                x, k_cache, v_cache = layer(x, positions, *kv_caches[i], md,
-                                            spec.for_layer(i))
+                x, k_cache, v_cache = layer(x, positions, *kv_caches[i], md, spec)
             new_caches.append((k_cache, v_cache))
         if not aux_layers:
             return self.norm(x), new_caches

@@ -150,13 +150,14 @@ def _compressed_tensors(qc: dict, num_layers: int, source: str) -> QuantConfig:
 def _kv_cache_scheme(kv: dict | None, where: str) -> bool:
     """Whether the checkpoint stores fp8 KV-cache scales: what llm-compressor writes
     (8-bit float, one static scale per tensor, symmetric) is read; other KV schemes
-    are refused."""
+    are refused. Missing keys take compressed-tensors' defaults (8-bit int, static,
+    symmetric; no strategy is per tensor for the KV cache)."""
     if not kv:
         return False
     want = dict(num_bits=8, type="float", strategy="tensor", dynamic=False, symmetric=True)
-    got = {key: kv.get(key, want[key] if key != "num_bits" else None) for key in want}
-    if got["strategy"] is None:          # compressed-tensors' default for the KV cache
-        got["strategy"] = "tensor"
+    defaults = dict(want, type="int")
+    got = {key: kv.get(key, defaults[key]) for key in want}
+    got["strategy"] = got["strategy"] or "tensor"
     if got != want:
         raise CheckpointError(f"{where}={kv!r} is not supported (8-bit float, per tensor, "
                               "static, symmetric: fp8 KV scales)")
@@ -233,7 +234,7 @@ def _check_args(args: dict, kind: str, where: str, allow_asymmetric: bool = Fals
         raise CheckpointError(
             f"{where}: type={args.get('type')!r} num_bits={args.get('num_bits')!r} is not "
             f"supported in this format (type {want!r}, num_bits 8)")
-    if not args.get("symmetric", True) and not allow_asymmetric:
+    if args.get("symmetric", True) is False and not allow_asymmetric:
         raise CheckpointError(f"{where}.symmetric=false (zero points) is not supported"
                               + (" (int8 inputs with dynamic token scales are)"
                                  if where.endswith("input_activations") else ""))

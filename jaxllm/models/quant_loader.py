@@ -79,7 +79,7 @@ class QuantWeights:
         if not quant.online:
             for module, scheme in quant.schemes:
                 self._check(module, scheme)
-        for name in kv_scale_names(quant, arch.num_layers):
+        for name in kv_scale_names(quant, arch.num_layers, reader):
             self._need(name, "the kv_cache_scheme says the KV scales are stored")
             self._float_tensor(name, [(), (1,)], "a per-tensor KV-cache scale")
 
@@ -253,18 +253,25 @@ def quantize_per_channel(w: np.ndarray, nk: int, kind: str):
     return q, scale
 
 
-def kv_scale_names(quant: QuantConfig | None, num_layers: int) -> list[str]:
-    """The checkpoint's fp8 KV-cache scales (kv_cache_scheme), layer by layer: k, v."""
+def kv_scale_names(quant: QuantConfig | None, num_layers: int, reader) -> list[str]:
+    """The checkpoint's fp8 KV-cache scales (kv_cache_scheme), layer by layer: k, v;
+    self_attn.k_scale / v_scale, or older llm-compressor's k_proj / v_proj
+    .output_scale where only those are stored (vLLM reads both)."""
     if quant is None or not quant.kv_scales:
         return []
-    return [f"model.layers.{i}.self_attn.{kv}_scale" for i in range(num_layers)
-            for kv in "kv"]
+    names = []
+    for i in range(num_layers):
+        for kv in "kv":
+            name, old = (f"model.layers.{i}.self_attn.{kv}_scale",
+                         f"model.layers.{i}.self_attn.{kv}_proj.output_scale")
+            names.append(old if not reader.has(name) and reader.has(old) else name)
+    return names
 
 
 def kv_cache_scales(reader, quant: QuantConfig | None, num_layers: int):
     """((k_scale, v_scale) per layer) as floats, or None without a kv_cache_scheme;
     QuantWeights has checked them."""
-    names = kv_scale_names(quant, num_layers)
+    names = kv_scale_names(quant, num_layers, reader)
     values = [float(reader.get(n).reshape(-1)[0]) for n in names]
     return tuple(zip(values[0::2], values[1::2])) or None
 

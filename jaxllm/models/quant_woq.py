@@ -158,7 +158,8 @@ def check_part(reader, layout: str, part: str, n: int, k: int, scheme: LinearSch
     zp = f"{part}.weight_zero_point"
     if layout == "pack" and scheme.zero_point and not reader.has(zp):
         raise CheckpointError(f"{reader.location(part + '.weight_packed')}: the config "
-                              f"says asymmetric weights, but {zp} is missing")
+                              f"says asymmetric weights (weights.symmetric=false), but "
+                              f"{zp} is missing")
     if layout == "pack" and reader.has(zp):
         want = (n * b // 32, groups)
         if tuple(reader.shape(zp)) != want:

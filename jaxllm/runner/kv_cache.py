@@ -27,26 +27,39 @@ HEADROOM = 256 << 20
 
 
 def cache_dtype(cache: CacheConfig, model_dtype):
-    """The pool's dtype: e4m3 for fp8 / fp8_e4m3 (stored divided by the per-tensor
-    scale), e5m2 for fp8_e5m2 (a truncated f16: range enough without a scale, as in
-    vLLM, but two mantissa bits), else the model's."""
+    """The pool's dtype: e4m3 for fp8 / fp8_e4m3, e5m2 for fp8_e5m2 (a truncated f16:
+    range enough without a scale, but two mantissa bits), else the model's. fp8 pools
+    store keys and values divided by the spec's per-tensor scales (1 unless the
+    checkpoint stores them), saturated to the format's largest finite value."""
     if not cache.is_fp8:
         return model_dtype
     return jnp.float8_e5m2 if cache.kv_cache_dtype == "fp8_e5m2" else jnp.float8_e4m3fn
 
 
-def layer_scales(cache: CacheConfig, kv_scales: tuple | None) -> tuple | None:
-    """A checkpoint's per-layer fp8 KV scales (kv_cache_scheme) where they apply: an
-    e4m3 pool, which stores each layer's keys and values divided by them, as vLLM's
-    does. A float pool, or an e5m2 one (vLLM's runs unscaled), leaves them unused."""
+def checkpoint_cache(cache: CacheConfig, kv_scales: tuple | None, source: str) -> CacheConfig:
+    """The cache a checkpoint with fp8 KV scales (compressed-tensors kv_cache_scheme)
+    runs with: as in vLLM, `auto` means an fp8 (e4m3) cache there, and fp8_e5m2 is
+    refused (the scales are e4m3's)."""
+    if kv_scales is None or cache.kv_cache_dtype in ("fp8", "fp8_e4m3"):
+        return cache
+    if cache.kv_cache_dtype == "fp8_e5m2":
+        raise ConfigError(f"kv_cache_dtype=fp8_e5m2: {source} stores fp8 KV scales "
+                          "(kv_cache_scheme) for an e4m3 cache; use fp8 or auto")
+    logging.getLogger(__name__).info("KV cache in fp8 (e4m3): %s stores its scales "
+                                     "(kv_cache_scheme)", source)
+    return dataclasses.replace(cache, kv_cache_dtype="fp8")
+
+
+def spec_kv_scales(kv_scales: tuple | None) -> dict:
+    """AttentionSpec's k_scale / v_scale for a checkpoint's per-layer fp8 KV scales
+    ((k, v) per layer; {} without): the largest of each, for every layer. The spec's
+    scales are compile-time constants of the attention kernels, so per-layer values
+    would compile a kernel set per layer and step size; one scale the largest keeps
+    every layer's values in range (a smaller layer's values only sit lower in e4m3's
+    range, whose relative step is the same in every binade above 2^-6)."""
     if kv_scales is None:
-        return None
-    if cache_dtype(cache, jnp.float32) != jnp.float8_e4m3fn:
-        logging.getLogger(__name__).info(
-            "the checkpoint's fp8 KV-cache scales are unused with kv_cache_dtype=%s (they "
-            "scale an fp8 / fp8_e4m3 cache)", cache.kv_cache_dtype)
-        return None
-    return kv_scales
+        return {}
+    return dict(k_scale=max(k for k, _ in kv_scales), v_scale=max(v for _, v in kv_scales))
 
 
 def bytes_per_block(arch: ArchConfig, block_size: int, dtype) -> int:

@@ -73,3 +73,21 @@ def test_head_offsets_read_k_and_v_in_place_from_a_fused_array(tpp):
     ref = ref_reshape_and_cache(qkv, qkv, cache, cache, slots, head_offsets=offsets)
     for g, w, r in zip(got, want, ref):
         assert same_bits(g, w) and same_bits(r, w)
+
+
+@pytest.mark.parametrize("c_dtype", [FP8, E5M2], ids=str)
+def test_fp8_write_saturates(c_dtype):
+    """A value past the format's range divided by its scale is stored as the largest
+    finite value, as vLLM's conversion and the GPU's saturate (a plain XLA cast would
+    store NaN), by the kernel and its reference alike."""
+    top = float(jnp.finfo(c_dtype).max)
+    k = jnp.asarray([[[3 * top, -3 * top, 1.0, -2.0]]], jnp.float32)      # [T=1, 1, 4]
+    cache = jnp.zeros((1, 2, 8, 4), c_dtype)
+    slots = jnp.asarray([9], jnp.int32)
+    write = functools.partial(reshape_and_cache, k_scale=2.0, v_scale=0.5, interpret=True)
+    for new_k, new_v in (run(write, k, k, cache, cache, slots),
+                         ref_reshape_and_cache(k, k, cache, cache, slots, 2.0, 0.5)):
+        np.testing.assert_array_equal(np.asarray(new_k[0, 1, 1], np.float32),
+                                      [top, -top, 0.5, -1.0])
+        np.testing.assert_array_equal(np.asarray(new_v[0, 1, 1], np.float32),
+                                      [top, -top, 2.0, -4.0])

@@ -129,7 +129,8 @@ CASES = {
                               "shape (16, 1), expected (16, 2)"),
     "pack_zero_point_missing": ("pack", None, lambda t: t.pop(
         L1 + "mlp.gate_proj.weight_zero_point"),
-        "the config says asymmetric weights, but model.layers.1.mlp.gate_proj."
+        "the config says asymmetric weights (weights.symmetric=false), but "
+        "model.layers.1.mlp.gate_proj."
         "weight_zero_point is missing"),
     # scales that do not match their weights
     "gptq_scales_shape": ("gptq", None, _tensor(L0 + "mlp.down_proj.scales",

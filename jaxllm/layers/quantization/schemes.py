@@ -53,10 +53,11 @@ class LinearScheme:
     act: None = weight only (the weight is dequantized for a float matmul).
     uint4 / uint8 (weight only): scales and zero points per `group` columns of the
     flattened K, [N..., K/group]; uint4 packed two to a byte along K; `g_idx`: a
-    stored column -> group map (GPTQ's act order) instead of column // group;
-    `zero_point`: the checkpoint stores them (compressed-tensors pack-quantized
-    asymmetric; GPTQ and AWQ always do, symmetric pack-quantized ones take the
-    midpoint). rotate: the largest block of the Hadamard rotation applied to the weight's K at
+    stored column -> group map (GPTQ's act order) instead of column // group.
+    zero_point: True only for compressed-tensors pack-quantized asymmetric weights,
+    whose weight_zero_point tensors are then required (GPTQ and AWQ always store
+    theirs; symmetric pack-quantized weights take the midpoint).
+    rotate: the largest block of the Hadamard rotation applied to the weight's K at
     load and to the input in the layer (rotation.py; online int8), 0 = none."""
     weight: str
     block: tuple[int, int] | None = None
