@@ -5,7 +5,10 @@ compressed-tensors package itself (its presets, `apply_quantization_config`, and
 `ModelCompressor.compress_model` + `update_config`; scales computed here with its
 own `calculate_qparams`, static input scales from a calibration run);
 `write_native_fp8` writes the layout of the official Qwen3-*-FP8 releases by hand
-(e4m3 weights, `weight_scale_inv` per 128x128 block, `quant_method: fp8`).
+(e4m3 weights, `weight_scale_inv` per 128x128 block, `quant_method: fp8`), or
+AutoFP8's (per-tensor `weight_scale` and static `input_scale`);
+`write_gptq_or_awq` writes GPTQ, AWQ and compressed-tensors pack-quantized layouts by
+hand (that package's own int32 packer for the last) from round-to-nearest groups.
 
 Oracle: `dequantized_hf` reads the written safetensors back with torch, dequantizes
 every quantized weight into a float32 HF model and hooks every quantized Linear so its
@@ -130,31 +133,45 @@ def _calibrate(hf) -> dict:
     return amax
 
 
-def write_native_fp8(folder: str, hf, block=(128, 128)) -> None:
+def write_native_fp8(folder: str, hf, block=(128, 128), skip=()) -> None:
     """The Qwen3-*-FP8 layout by hand: every projection's weight in e4m3 with one
     scale per block (weight_scale_inv = amax / 448, the dequantization multiplier),
-    lm_head, embeddings and norms in float."""
+    lm_head, embeddings and norms in float. block=None: AutoFP8's static layout, one
+    weight_scale per tensor (amax / 448) and a static input_scale (the input's largest
+    |value| over calibration_ids / 448), `ignored_layers`. Modules whose name contains
+    an entry of `skip` stay float and are listed as not converted."""
     from safetensors.torch import save_file
     build_tokenizer = shared().build_tokenizer
-    bn, bk = block
+    input_amax = _calibrate(hf) if block is None else {}
     tensors = {}
     for name, p in hf.state_dict().items():
-        if name.endswith("_proj.weight"):
+        module = name[:-len(".weight")]
+        if not name.endswith("_proj.weight") or any(s in module for s in skip):
+            tensors[name] = p.detach().contiguous()
+        elif block is None:
+            s = p.abs().max() / 448.0
+            tensors[name] = (p / s).clamp(-448, 448).to(FP8)
+            tensors[module + ".weight_scale"] = s.float().reshape(())
+            tensors[module + ".input_scale"] = (input_amax[module] / 448.0).float().reshape(())
+        else:
+            bn, bk = block
             n, k = p.shape
             blocks = p.reshape(-(-n // bn), bn, k // bk, bk)   # tests use whole blocks
             s = blocks.abs().amax(dim=(1, 3)) / 448.0
             q = (blocks / s[:, None, :, None]).clamp(-448, 448).to(FP8).reshape(n, k)
             tensors[name] = q
-            tensors[name[:-len("weight")] + "weight_scale_inv"] = s.float()
-        else:
-            tensors[name] = p.detach().contiguous()
+            tensors[module + ".weight_scale_inv"] = s.float()
     hf.config.save_pretrained(folder)
     save_file(tensors, os.path.join(folder, "model.safetensors"))
     with open(os.path.join(folder, "config.json")) as f:
         cfg = json.load(f)
-    cfg["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3",
-                                  "quant_method": "fp8", "weight_block_size": list(block),
-                                  "modules_to_not_convert": ["lm_head"]}
+    if block is None:
+        cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "static",
+                                      "ignored_layers": ["lm_head", *skip]}
+    else:
+        cfg["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3",
+                                      "quant_method": "fp8", "weight_block_size": list(block),
+                                      "modules_to_not_convert": ["lm_head", *skip]}
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
     build_tokenizer(folder)
@@ -215,7 +232,8 @@ def act_hook(kind: str, mode: str, static_scale=None, group: int = 128):
 def dequantized_hf(folder: str, kind: str, mode: str | None, group: int = 128):
     """A float32 HF model of the checkpoint in `folder` with every quantized weight
     dequantized (weight * scale, per tensor / channel / block) and, unless mode is
-    None (weight only), its input quantized in a hook. mode: token | tensor | group."""
+    None (weight only), its input quantized in a hook (the quantized Linears only:
+    those the checkpoint leaves float keep float inputs). mode: token | tensor | group."""
     import transformers as tf
     from safetensors.torch import load_file
     cfg = tf.AutoConfig.from_pretrained(folder)
@@ -223,7 +241,7 @@ def dequantized_hf(folder: str, kind: str, mode: str | None, group: int = 128):
         del cfg.quantization_config
     model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     sd = load_file(os.path.join(folder, "model.safetensors"))
-    dense, input_scales = {}, {}
+    dense, input_scales, quantized = {}, {}, set()
     for name, t in sd.items():
         if name.endswith(("weight_scale", "weight_scale_inv", "weight_zero_point")):
             continue
@@ -241,12 +259,13 @@ def dequantized_hf(folder: str, kind: str, mode: str | None, group: int = 128):
             elif s.dim() == 1:
                 s = s.reshape(-1, 1) if s.numel() > 1 else s.reshape(1, 1)
             t = w * s
+            quantized.add(base[:-1])
         dense[name] = t.float()
     missing, unexpected = model.load_state_dict(dense, strict=False)
     assert not unexpected and all("rotary" in m or "lm_head" in m for m in missing), missing
     if mode is not None:
         for name, m in model.named_modules():
-            if isinstance(m, torch.nn.Linear) and name != "lm_head":
+            if name in quantized:
                 m.register_forward_pre_hook(act_hook(kind, mode, input_scales.get(name), group))
     return model
 
@@ -340,16 +359,24 @@ def pack_words(v: np.ndarray, bits: int, axis: int, order=None) -> np.ndarray:
 
 
 def write_gptq_or_awq(folder: str, hf, method: str, bits=4, group=128, desc_act=False,
-                      version="gptq", sym=True, seed=3):
-    """A GPTQ (qweight packed along K, qzeros along N, zeros minus one in v1
-    "gptq", as stored in v2 "gptq_v2") or AWQ GEMM (both along N in the interleaved
-    order 0 2 4 6 1 3 5 7) checkpoint from the published layouts, by hand. The model
-    `hf` gets the dequantized weights, so it is its own oracle."""
+                      version="gptq", sym=True, skip=(), seed=3):
+    """A checkpoint from the published layouts, by hand: GPTQ (qweight packed along K,
+    qzeros along N, zeros minus one in v1 "gptq", as stored in v2 "gptq_v2"), AWQ
+    GEMM (both along N in the interleaved order 0 2 4 6 1 3 5 7) or, method "pack",
+    compressed-tensors pack-quantized (weight_packed [N, K*b/32] along K and, when
+    asymmetric, weight_zero_point [N*b/32, G] along N: signed values offset by
+    2**(b-1), packed by that package's own pack_to_int32; weight_scale [N, G];
+    weight_g_idx with `actorder: group`). desc_act: a random act order (g_idx). AWQ
+    modules whose name contains an entry of `skip` stay float (modules_to_not_convert).
+    The model `hf` gets the dequantized weights, so it is its own oracle."""
     from safetensors.torch import save_file
+    assert not skip or method == "awq", "only AWQ lists modules left float here"
     rng = np.random.default_rng(seed)
+    top = (1 << bits) - 1
     tensors, perms = {}, {}
     for name, mod in hf.named_modules():
-        if not isinstance(mod, torch.nn.Linear) or name == "lm_head":
+        if not isinstance(mod, torch.nn.Linear) or name == "lm_head" \
+                or any(s in name for s in skip):
             continue
         w = mod.weight.detach().numpy().astype(np.float32)        # [N, K]
         n, k = w.shape
@@ -361,14 +388,33 @@ def write_gptq_or_awq(folder: str, hf, method: str, bits=4, group=128, desc_act=
             perms.setdefault(key, rng.permutation(gid))
             gid = perms[key]
         q, s, z = rtn_groups(w, bits, gid, sym)
+        if method == "gptq" and version == "gptq":
+            # v1 stores zero - 1 in `bits` bits and vLLM's v1 readers add the 1 back
+            # per field, so a zero of 0 would read as 2**bits: the weights are what
+            # those readers compute (the tests' random weights have no zero of 0)
+            z = (((z.astype(np.int64) - 1) & top) + 1).astype(np.float32)
         mod.weight.data = torch.from_numpy((q.astype(np.float32) - z[:, gid]) * s[:, gid])
         base = name + "."
         if method == "awq":
             order = (0, 2, 4, 6, 1, 3, 5, 7)
             tensors[base + "qweight"] = pack_words(q.T, 4, 1, order)
             tensors[base + "qzeros"] = pack_words(z.T.astype(np.uint32), 4, 1, order)
+        elif method == "pack":
+            from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+            def signed(v):
+                return torch.from_numpy(v.astype(np.int16) - (1 << (bits - 1))).to(torch.int8)
+            tensors[base + "weight_packed"] = pack_to_int32(signed(q), bits).numpy()
+            tensors[base + "weight_scale"] = s.astype(np.float16)
+            tensors[base + "weight_shape"] = np.array([n, k], np.int64)
+            if not sym:
+                tensors[base + "weight_zero_point"] = pack_to_int32(signed(z), bits,
+                                                                    packed_dim=0).numpy()
+            if desc_act:
+                tensors[base + "weight_g_idx"] = gid.astype(np.int32)
+            continue
         else:
-            stored_z = (z.astype(np.int64) - (version == "gptq")) & ((1 << bits) - 1)
+            stored_z = (z.astype(np.int64) - (version == "gptq")) & top
             tensors[base + "qweight"] = pack_words(q.T, bits, 0)
             tensors[base + "qzeros"] = pack_words(stored_z.T, bits, 1)
             tensors[base + "g_idx"] = gid.astype(np.int32)
@@ -383,7 +429,20 @@ def write_gptq_or_awq(folder: str, hf, method: str, bits=4, group=128, desc_act=
         cfg = json.load(f)
     if method == "awq":
         cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": group,
-                                      "zero_point": True, "version": "gemm"}
+                                      "zero_point": True, "version": "gemm",
+                                      "modules_to_not_convert": list(skip) or None}
+    elif method == "pack":
+        weights = {"num_bits": bits, "type": "int", "symmetric": sym, "dynamic": False,
+                   "strategy": "group" if group > 0 else "channel",
+                   "group_size": group if group > 0 else None,
+                   "actorder": "group" if desc_act else None, "observer": "minmax"}
+        cfg["quantization_config"] = {
+            "quant_method": "compressed-tensors", "format": "pack-quantized",
+            "quantization_status": "compressed", "ignore": ["lm_head"],
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                          "input_activations": None,
+                                          "output_activations": None,
+                                          "format": "pack-quantized"}}}
     else:
         cfg["quantization_config"] = {"quant_method": "gptq", "bits": bits,
                                       "group_size": group, "desc_act": desc_act, "sym": sym,

@@ -1,12 +1,16 @@
 """Weight-only 4- and 8-bit checkpoints (the plain-jnp dequantizing reference path):
-GPTQ (v1 zeros minus one and v2, act order with g_idx, group sizes 32/64/128, 4 and 8
-bits) and AWQ GEMM (interleaved packing), written by hand from the published layouts
+GPTQ (v1 zeros minus one and v2, symmetric and asymmetric, act order with g_idx,
+group sizes 32/64/128, 4 and 8 bits), AWQ GEMM (interleaved packing; a module left
+float by modules_to_not_convert) and compressed-tensors pack-quantized with
+`actorder: group` (weight_g_idx), written by hand from the published layouts
 (quant_util.write_gptq_or_awq); compressed-tensors pack-quantized W4A16 (symmetric
 and asymmetric) and W8A16, packed by the compressed-tensors package.
 
-Oracles: HF transformers (float32) with the same weights dequantized (GPTQ/AWQ: by the
-writer; no activation quantization in these formats): greedy tokens equal. The
-compressed-tensors ones also by HF transformers loading the checkpoint itself."""
+Oracles: HF transformers (float32) with the same weights dequantized (by the writer;
+no activation quantization in these formats): greedy tokens equal. The
+compressed-tensors ones also by HF transformers loading the checkpoint itself, or
+(act order, which compressed-tensors no longer writes) by that package's unpacker
+decoding the hand-written tensors back to the oracle's weights."""
 from __future__ import annotations
 
 import pytest
@@ -26,8 +30,15 @@ GPTQ_AWQ = {
     "gptq-4bit-per-channel": dict(method="gptq", bits=4, group=-1),
     "gptq-v2-4bit-g128-ragged": dict(method="gptq", bits=4, group=128, version="gptq_v2",
                                      sym=False),
+    "gptq-4bit-g64-asym": dict(method="gptq", bits=4, group=64, sym=False),    # v1
+    "gptq-8bit-g32-desc-act": dict(method="gptq", bits=8, group=32, desc_act=True),
     "awq-4bit-g128": dict(method="awq", group=128, sym=False),
     "awq-4bit-g64": dict(method="awq", group=64, sym=False),
+    "awq-4bit-g128-float-down-proj": dict(method="awq", group=128, sym=False,
+                                          skip=["model.layers.1.mlp.down_proj"]),
+    # compressed-tensors pack-quantized with actorder: group (weight_g_idx)
+    "pack-4bit-g32-asym-act-order": dict(method="pack", bits=4, group=32, sym=False,
+                                         desc_act=True),
 }
 
 
@@ -51,6 +62,46 @@ def test_gptq_awq_greedy_matches_dequantized_hf(tmp_path, case):
     packed = 2 if kw.get("bits", 4) == 4 else 1
     assert str(w.dtype) == "uint8" and w.shape == (a.hidden_size,
                                                    a.intermediate_size // packed)
+    if kw.get("skip"):    # layer 1's down_proj is float [K, N], its layer otherwise quantized
+        down = [k for k in state if k[:4] == ("layers", 1, "mlp", "down_proj")]
+        assert down == [("layers", 1, "mlp", "down_proj")], down
+        w = state[down[0]].get_value()
+        assert str(w.dtype) == "float32" and w.shape == (a.intermediate_size, a.hidden_size)
+        up = state[("layers", 1, "mlp", "gate_up_proj", "weight")].get_value()
+        assert str(up.dtype) == "uint8"
+
+
+def test_pack_act_order_layout_decodes_with_compressed_tensors(tmp_path):
+    """The hand-written pack-quantized act-order tensors, decoded with compressed-tensors'
+    own unpacker and the documented group map (column k scaled by group g_idx[k]), are
+    the weights the oracle runs; each g_idx is a real shuffle of the groups, shared by
+    the modules of one input."""
+    import numpy as np
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    from safetensors.torch import load_file
+    folder = str(tmp_path / "pack")
+    hf = qu.make_model(folder, "llama", **qu.BLOCK_SHAPES)
+    qu.write_gptq_or_awq(folder, hf, "pack", bits=4, group=32, sym=False, desc_act=True)
+    t = load_file(f"{folder}/model.safetensors")
+    modules = dict(hf.named_modules())
+    parts = [n[:-len(".weight_packed")] for n in t if n.endswith(".weight_packed")]
+    assert len(parts) == 7 * hf.config.num_hidden_layers
+    for part in parts:
+        n, k = t[part + ".weight_shape"].tolist()
+        g_idx = t[part + ".weight_g_idx"].long()
+        groups = k // 32
+        assert t[part + ".weight_g_idx"].dtype == torch.int32
+        assert torch.bincount(g_idx).tolist() == [32] * groups
+        assert (g_idx != torch.arange(k) // 32).any()
+        q = unpack_from_int32(t[part + ".weight_packed"], 4, torch.Size([n, k])).float()
+        z = unpack_from_int32(t[part + ".weight_zero_point"], 4, torch.Size([n, groups]),
+                              packed_dim=0).float()
+        s = t[part + ".weight_scale"].float()
+        w = (q - z[:, g_idx]) * s[:, g_idx]
+        np.testing.assert_array_equal(w.numpy(), modules[part].weight.detach().numpy())
+    layer = "model.layers.0."
+    for a, b in (("self_attn.q_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj")):
+        assert torch.equal(t[layer + a + ".weight_g_idx"], t[layer + b + ".weight_g_idx"])
 
 
 @pytest.mark.parametrize("preset", ["W4A16", "W4A16_ASYM", "W8A16"])

@@ -29,7 +29,15 @@ CASES = {
     "qwen3-ct-fp8-static": ("qwen3", "FP8", [2, 8]),
     "llama-native-fp8-block": ("llama", "native", [2]),
     "qwen3-gptq-desc-act": ("qwen3", "gptq", [2]),
+    # TP_MODELS shapes in groups of 32 (down_proj's 112 inputs: a short last group);
+    # at TP = 4 q_proj and kv_proj stay apart
+    "llama-awq": ("llama", "awq", [2, 4]),
+    # compressed-tensors W4A16 (groups of 128, so widths of 128 and 256): at TP = 2
+    # o_proj's one group stays whole, at TP = 8 down_proj's two too
+    "qwen3-ct-w4a16": ("qwen3", "W4A16", [2, 8]),
 }
+WIDTHS = {"qwen3-ct-w4a16": dict(hidden_size=128, intermediate_size=256)}
+GROUP = {"gptq": 32, "awq": 32}     # K per scale of the grouped formats; else 128
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +57,11 @@ def run(tmp_path_factory):
                                      "gptq", bits=4, group=32, desc_act=True)
             else:
                 overrides, vocab = TP_MODELS[arch]
-                model = qu.make_model(folder, arch, vocab_size=vocab, **overrides)
-                if how in ("fp8", "int8"):
+                model = qu.make_model(folder, arch, vocab_size=vocab, **overrides,
+                                      **WIDTHS.get(case, {}))
+                if how == "awq":
+                    qu.write_gptq_or_awq(folder, model, "awq", group=32, sym=False)
+                elif how in ("fp8", "int8"):
                     model.save_pretrained(folder)
                     qu.shared().build_tokenizer(folder, vocab)
                 else:
@@ -84,11 +95,17 @@ def test_weights_and_scales_shard_alike(run, case, tp):
     arch = llm.llm_engine.runner.arch
     state = dict(nnx.to_flat_state(llm.llm_engine.runner.state))
     fused = arch.num_kv_heads % tp == 0
-    block = CASES[case][1] in ("native", "gptq")    # scales per row and K-group
-    # o_proj's block / group scales: one per 128 (GPTQ here: 32) of its Q*D inputs,
-    # split when tp divides them
-    size = 32 if CASES[case][1] == "gptq" else 128
-    o_groups = "tp" if (arch.num_heads * arch.head_dim // size) % tp == 0 else None
+    how = CASES[case][1]
+    block = how in ("native", "gptq", "awq", "W4A16")    # scales per row and K-group
+    grouped = how in ("gptq", "awq", "W4A16")            # with zero points
+    # o_proj's and down_proj's block / group scales: one per 128 (GPTQ and AWQ here: 32)
+    # of their inputs, split when tp divides them
+    size = GROUP.get(how, 128)
+
+    def split_groups(k):
+        return "tp" if -(-k // size) % tp == 0 else None
+    o_groups = split_groups(arch.num_heads * arch.head_dim)
+    d_groups = split_groups(arch.intermediate_size)
     want = {   # (weight spec, scale spec): each scale split like its weight's output rows
         # q and k/v are one qkv_proj, its rows grouped by KV head, split by KV head;
         # with fewer KV heads than devices they stay apart, q split by query head
@@ -99,7 +116,7 @@ def test_weights_and_scales_shard_alike(run, case, tp):
                     P(None, None, None, None) if block else P(None, None, None)),
         "o_proj": (P(None, "tp", None), P(None, o_groups) if block else P(None)),
         "gate_up_proj": (P(None, "tp", None), P(None, "tp", None) if block else P(None, "tp")),
-        "down_proj": (P(None, "tp"), P(None, "tp") if block else P(None)),
+        "down_proj": (P(None, "tp"), P(None, d_groups) if block else P(None)),
     }
     seen, names = 0, set()
     for path, var in state.items():
@@ -112,4 +129,4 @@ def test_weights_and_scales_shard_alike(run, case, tp):
         seen, names = seen + 1, names | {path[-2]}
     assert ("qkv_proj" in names) == fused and ("q_proj" in names) == (not fused)
     projections = 4 if fused else 5
-    assert seen == (3 if CASES[case][1] == "gptq" else 2) * projections * arch.num_layers
+    assert seen == (3 if grouped else 2) * projections * arch.num_layers
