@@ -23,7 +23,9 @@ import json
 import os
 import shutil
 
+import jax
 import numpy as np
+import pytest
 import torch
 
 FP8 = torch.float8_e4m3fn
@@ -450,3 +452,12 @@ def write_gptq_or_awq(folder: str, hf, method: str, bits=4, group=128, desc_act=
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
     shared().build_tokenizer(folder)
+
+
+@pytest.fixture
+def no_device_puts(monkeypatch):
+    """The jax.device_put calls made while a test runs (a refusal must make none)."""
+    calls = []
+    real = jax.device_put
+    monkeypatch.setattr(jax, "device_put", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls

@@ -6,11 +6,11 @@ disagreeing with the checkpoint. The base checkpoint is a compressed-tensors INT
 tiny Llama packed by the compressed-tensors package (quant_util)."""
 from __future__ import annotations
 
-import jax
 import pytest
 import torch
 
 import quant_util as qu
+from quant_util import no_device_puts  # noqa: F401  (a fixture)
 from jaxllm.config import ConfigError
 from jaxllm.entrypoints.cli import main
 from jaxllm.models.errors import CheckpointError
@@ -128,14 +128,6 @@ CASES = {
 }
 
 
-@pytest.fixture
-def no_device_puts(monkeypatch):
-    calls = []
-    real = jax.device_put
-    monkeypatch.setattr(jax, "device_put", lambda *a, **k: calls.append(1) or real(*a, **k))
-    return calls
-
-
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_refused_before_any_weight_moves(w8a8, tmp_path, no_device_puts, case):
     edit_config, edit_tensors, message = CASES[case]
@@ -161,19 +153,15 @@ def test_flag_disagreeing_with_checkpoint(w8a8, no_device_puts, flag, message):
     assert no_device_puts == []
 
 
-def test_checkpoint_method_on_a_float_model(tiny_model, no_device_puts):
+@pytest.mark.parametrize("flag, message", [
+    ("compressed-tensors", "quantization='compressed-tensors' needs a checkpoint quantized "
+                           "that way"),
+    ("gguf", "quantization='gguf' needs a GGUF file, and this is an HF folder"),
+])
+def test_checkpoint_method_on_a_float_model(tiny_model, no_device_puts, flag, message):
     folder, _ = tiny_model("llama")
-    with pytest.raises(CheckpointError, match="quantization='compressed-tensors' needs a "
-                                              "checkpoint quantized that way"):
-        load_model(folder, "float32", quantization="compressed-tensors")
-    assert no_device_puts == []
-
-
-def test_gguf_on_an_hf_folder(tiny_model, no_device_puts):
-    folder, _ = tiny_model("llama")
-    with pytest.raises(CheckpointError, match="quantization='gguf' needs a GGUF file, and "
-                                              "this is an HF folder"):
-        load_model(folder, "float32", quantization="gguf")
+    with pytest.raises(CheckpointError, match=message):
+        load_model(folder, "float32", quantization=flag)
     assert no_device_puts == []
 
 

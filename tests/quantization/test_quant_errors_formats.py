@@ -10,12 +10,12 @@ the published layouts, pack-quantized W4A16 asymmetric by the compressed-tensors
 package), one per format for the module, each edited in a copy by one case."""
 from __future__ import annotations
 
-import jax
 import numpy as np
 import pytest
 import torch
 
 import quant_util as qu
+from quant_util import no_device_puts  # noqa: F401  (a fixture)
 from jaxllm.models.errors import CheckpointError
 from jaxllm.models.info import check_checkpoint, read_model_arch
 from jaxllm.models.loader import load_model
@@ -42,14 +42,6 @@ def checkpoints(tmp_path_factory):
             writers[fmt](made[fmt])
         return made[fmt]
     return get
-
-
-@pytest.fixture
-def no_device_puts(monkeypatch):
-    calls = []
-    real = jax.device_put
-    monkeypatch.setattr(jax, "device_put", lambda *a, **k: calls.append(1) or real(*a, **k))
-    return calls
 
 
 def _qc(**values):
