@@ -229,18 +229,25 @@ def device_bytes(arrays) -> int:
                for x in jax.tree.leaves(arrays))
 
 
-def unquantized_extra(quant, arch: ArchConfig, model_dtype, state, tp: int = 1) -> int:
+def unquantized_extra(quant, arch: ArchConfig, model_dtype, state, mesh) -> int:
     """Bytes per device the model's weights would take beyond `state`'s (the loaded
     leaves) if no layer were quantized; 0 for a float model (`quant` None). The float
-    model is built abstractly (nothing allocated); the difference lies in the
-    projections, which tensor parallelism splits over the `tp` devices."""
+    model is built abstractly (nothing allocated) and each of its leaves counted as
+    the loader would shard it over `mesh`."""
     if quant is None:
         return 0
+    from flax import nnx
+
     from jaxllm.models.loader import abstract_model
+    from jaxllm.parallel.mesh import param_shardings
+    shard = param_shardings(mesh)
     _, float_state = abstract_model(arch, model_dtype)
-    nbytes = lambda t: sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize  # noqa: E731
-                           for x in jax.tree.leaves(t))
-    return max(nbytes(float_state) - nbytes(state), 0) // tp
+    float_bytes = 0
+    for path, var in nnx.to_flat_state(float_state):
+        x = var.get_value()
+        sharding = shard(path, var.get_metadata().get("out_sharding"), x.shape)
+        float_bytes += math.prod(sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
+    return max(float_bytes - device_bytes(state), 0)
 
 
 def pool_shape(arch: ArchConfig, num_blocks: int, block_size: int, tp: int = 1):

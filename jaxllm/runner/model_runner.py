@@ -126,7 +126,7 @@ class ModelRunner:
         t, s = self.plan.token_buckets[-1], self.plan.max_seqs
         extra = dict(draft_per_block=draft_per_block, draft_weights=draft_weights,
                      unquantized_extra=kv_cache.unquantized_extra(
-                         self.quant, self.arch, self.model_dtype, self.state, self.mesh.size))
+                         self.quant, self.arch, self.model_dtype, self.state, self.mesh))
 
         def step_peak(num_blocks: int) -> int | None:
             pool = kv_cache.abstract(self.arch, num_blocks, self.block_size, dtype, sharding,

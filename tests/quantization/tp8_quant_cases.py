@@ -72,6 +72,7 @@ def run(tmp_path_factory):
             llm = LLM(folders[case], tensor_parallel_size=tp, quantization=q, **ENGINE)
             runs[case, tp] = (llm, *generate_greedy(llm))
         return runs[case, tp]
+    get.folders = folders
     return get
 
 
@@ -130,3 +131,17 @@ def test_weights_and_scales_shard_alike(run, case, tp):
     assert ("qkv_proj" in names) == fused and ("q_proj" in names) == (not fused)
     projections = 4 if fused else 5
     assert seen == (3 if grouped else 2) * projections * arch.num_layers
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_kv_report_counts_the_float_weights_per_device(run, tp):
+    """The KV report's unquantized_extra: the bytes the float model's weights would
+    take on one device beyond the quantized ones, each leaf sharded as the loader
+    shards it (at TP = 4 the tiny Llama's k/v are replicated, not split)."""
+    from jaxllm.runner import kv_cache
+    q = run("llama-online-fp8", tp)[0].llm_engine.runner
+    f = LLM(run.folders["llama-online-fp8"], tensor_parallel_size=tp,
+            **ENGINE).llm_engine.runner
+    extra = kv_cache.unquantized_extra(q.quant, q.arch, q.model_dtype, q.state, q.mesh)
+    assert extra > 0
+    assert kv_cache.device_bytes(q.params) + extra == kv_cache.device_bytes(f.params)
