@@ -14,7 +14,8 @@ GEMMs run more kernels there than counted here.
     /tmp/aot/bin/python scripts/aot_step.py --quant-matmul w8a16_fp8,w8a16_int8_f16
 
 --quant-matmul compiles bench_quant_matmul.py's kinds instead (its gate/up shape at 16
-and 64 rows) and lists their kernels. With $OUT set, writes each compiled step there
+and 64 rows) and lists their kernels; --sampler ROWS the sampler's greedy, random and
+logprobs variants at the 8B vocabulary (`--sampler 8,256`). With $OUT set, writes each compiled step there
 (``aot_<tag>-L<layers>.hlo.txt``).
 """
 from __future__ import annotations
@@ -91,6 +92,34 @@ def quant_matmul_kernels(args) -> int:
     return 0
 
 
+def sampler_kernels(args) -> int:
+    """The sampler's variants (greedy, random, random with logprobs) for ROWS rows of
+    the 128,256-token vocabulary, compiled for the target: their kernels."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxllm.runner import aot
+    from jaxllm.runner.sampler import NUM_COLUMNS, SamplerFlags, SamplingMetadata
+    from jaxllm.runner.step_fn import sample_into
+    with open(args.target) as f:
+        mesh = aot.target_mesh(f.read())
+    variants = {"greedy": SamplerFlags(all_greedy=True), "random": SamplerFlags(),
+                "random+logprobs": SamplerFlags(num_logprobs=20)}
+    sd = jax.ShapeDtypeStruct
+    for rows in map(int, args.sampler.split(",")):
+        md = SamplingMetadata(sd((rows, NUM_COLUMNS), jnp.int32),
+                              *(sd((rows, 1), jnp.int32),) * 3)
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            xs = aot.on_mesh((sd((rows, 128256), jnp.float32), md, sd((256,), jnp.int32)),
+                             mesh)
+            for name, flags in variants.items():
+                fn = jax.jit(lambda lg, m, t, flags=flags: sample_into(lg, m, flags, t))
+                kinds = aot.entry_kernels(fn.lower(*xs).compile().as_text())
+                print(f"{name:>16} rows={rows:<4} {len(kinds):>3} kernels:",
+                      " ".join(short(k) for _, k in kinds))
+    return 0
+
+
 def tag(args, spec: str) -> str:
     return spec.replace(":", "-") + (f"-{args.quantization}" if args.quantization else "") + (
         f"-kv{args.kv_cache_dtype}" if args.kv_cache_dtype != "auto" else "")
@@ -108,7 +137,11 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object instead")
     ap.add_argument("--quant-matmul", metavar="KINDS", default=None,
                     help="bench_quant_matmul.py kinds to compile instead of a step")
+    ap.add_argument("--sampler", metavar="ROWS", default=None,
+                    help="compile the sampler's variants for these row counts instead")
     args = ap.parse_args(argv)
+    if args.sampler:
+        return sampler_kernels(args)
     if args.quant_matmul:
         return quant_matmul_kernels(args)
     shapes = args.shape or ["decode:1:600"]

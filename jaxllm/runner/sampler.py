@@ -35,7 +35,9 @@ from jaxllm.sampling_params import MAX_LOGPROBS, SAMPLING_EPS
 class SamplerFlags:
     """Static (compile-time) switches for ``sample``; hashable, a jit static arg.
 
-    num_logprobs: K, the top logprobs computed per row: 0 or MAX_LOGPROBS.
+    num_logprobs: K, the top logprobs computed per row: MAX_LOGPROBS when a row asks
+    for logprobs (0 included: its sampled token's), else 0, and then none are
+    computed at all (no log_softmax or rank pass over [S, V]).
     all_greedy: every row has temperature 0, so no random numbers are drawn.
     use_bitmask: a grammar bitmask i32[S, ceil(V/32)] comes with the logits (bit v of
     row s set: token v allowed); batches without a constrained row pass none.
@@ -103,7 +105,8 @@ class SamplingMetadata:
 class SamplerOutput(NamedTuple):
     """token_ids i32[S]; logprobs f32[S] (raw logprob of the sampled token);
     top_logprob_ids i32[S, K] / top_logprobs f32[S, K], best first;
-    sampled_rank i32[S], 1-based rank of the sampled token among all V."""
+    sampled_rank i32[S], 1-based rank of the sampled token among all V. All but
+    token_ids are None when no row asks for logprobs (SamplerFlags.num_logprobs 0)."""
 
     token_ids: jax.Array
     logprobs: jax.Array
@@ -130,6 +133,8 @@ def sample(logits: jax.Array, md: SamplingMetadata, flags: SamplerFlags,
     if not flags.all_greedy:
         random_ids = _sample_random(logits, md, flags)
         token_ids = jnp.where(md.temperature < SAMPLING_EPS, token_ids, random_ids)
+    if not flags.num_logprobs:      # no row reads them: none made, none copied back
+        return SamplerOutput(token_ids, None, None, None, None)
     lp, rank, top_ids, top_lps = compute_logprobs(raw_logits, token_ids, flags.num_logprobs)
     return SamplerOutput(token_ids, lp, top_ids, top_lps, rank)
 

@@ -81,7 +81,7 @@ def row_entry(p: SamplingParams, vocab_size: int, fallback_seed: int | None,
                     top_k, seed)
     small = fits_small_top_k(top_k, float(np.float32(p.top_p)))
     bits = (_GREEDY * p.is_greedy | _PENALTIES * p.uses_penalties
-            | _FILTERS * p.uses_filters | _LOGPROBS * bool(p.logprobs)
+            | _FILTERS * p.uses_filters | _LOGPROBS * (p.logprobs is not None)
             | _NOT_SMALL * (not small) | _MIN_TOKENS * (p.min_tokens > 0))
     return RowEntry(row, bits, p, fallback_seed)
 

@@ -3,6 +3,7 @@
 Legend: S rows, V vocab, K top logprobs, N draws.
 """
 
+import dataclasses
 import re
 
 import jax
@@ -281,12 +282,36 @@ def test_logprobs_are_raw_log_softmax_and_top_k_sorted():
     assert int(out.token_ids[0]) in entry and len(entry) in (5, 6)
 
 
-def test_no_logprobs_gives_empty_top_arrays():
-    md, flags = _build([SamplingParams(seed=1, logprobs=0)])
+def test_logprobs_0_still_computes_the_sampled_tokens():
+    """logprobs=0 asks for the sampled token's logprob and rank only: the batch takes
+    the logprobs variant (its top-K unused)."""
+    logits = _logits(2, seed=3)
+    md, flags = _build([SamplingParams(seed=1, logprobs=0), SamplingParams(seed=2)])
+    assert flags.num_logprobs == MAX_LOGPROBS
+    out = _sample(logits, md, flags)
+    ref = _log_softmax(logits)
+    np.testing.assert_allclose(out.logprobs, ref[np.arange(2), out.token_ids], rtol=1e-5,
+                               atol=1e-6)
+    assert (np.asarray(out.sampled_rank) >= 1).all()
+
+
+def test_no_logprobs_computes_none():
+    """No row asks for logprobs: the variant computes none (no outputs but the tokens)
+    and its program has no log-softmax: the same tokens as the logprobs variant."""
+    logits = _logits(3, seed=5)
+    params = [SamplingParams(seed=s, temperature=0.7) for s in range(3)]
+    md, flags = _build(params)
     assert flags.num_logprobs == 0
-    out = _sample(_logits(1), md, flags)
-    assert out.top_logprob_ids.shape == (1, 0) and out.top_logprobs.shape == (1, 0)
-    assert out.logprobs.shape == (1,) and out.sampled_rank.shape == (1,)
+    out = _sample(logits, md, flags)
+    assert out.logprobs is out.sampled_rank is out.top_logprobs is out.top_logprob_ids is None
+    with_lp = _sample(logits, md, dataclasses.replace(flags, num_logprobs=MAX_LOGPROBS))
+    np.testing.assert_array_equal(out.token_ids, with_lp.token_ids)
+    greedy_md, greedy = _build([SamplingParams(temperature=0)] * 3)
+    for f, has in ((greedy, False), (dataclasses.replace(greedy, num_logprobs=MAX_LOGPROBS),
+                                     True)):
+        text = jax.jit(lambda lg, f=f: sample(lg, greedy_md, f)).lower(
+            jnp.asarray(logits)).as_text()
+        assert ("stablehlo.exponential" in text) == has      # the log-softmax's exp
 
 
 # ---- metadata building and padding ----
@@ -347,7 +372,8 @@ def test_min_tokens_blocks_stop_and_eos_tokens():
 
 def test_padded_rows_do_not_change_real_rows():
     logits = _logits(3, seed=11)
-    params = [SamplingParams(seed=s, top_p=0.8, presence_penalty=0.5) for s in range(3)]
+    params = [SamplingParams(seed=s, top_p=0.8, presence_penalty=0.5, logprobs=0)
+              for s in range(3)]
     kw = dict(prompts=[[1, 2]] * 3, outputs=[[4]] * 3, output_indices=[1] * 3)
     md3, f3 = _build(params, rows=3, **kw)
     md8, f8 = _build(params, rows=8, **kw)
