@@ -20,8 +20,8 @@ ENGINE_HELP = {
     "runner": "generate | pooling (embeddings); auto: pooling for encoders and bare decoders",
     "block_size": "tokens per KV-cache block: 8, 16 or 32",
     "gpu_memory_utilization": "fraction of GPU memory for weights, activations and KV cache",
-    "kv_cache_dtype": "auto (the model dtype), fp8 (= fp8_e4m3: twice the KV blocks) or "
-                      "fp8_e5m2",
+    "kv_cache_dtype": "auto (the model dtype; fp8 for a checkpoint storing KV scales), fp8 "
+                      "(= fp8_e4m3: twice the KV blocks) or fp8_e5m2",
     "swap_space": "GiB of host memory for KV blocks of preempted requests (preemption swap)",
     "enable_prefix_caching": "reuse the KV blocks of prompt prefixes seen before",
     "cpu_kv_cache_bytes": "KV-pool bytes on CPU, where there is no device memory to profile",

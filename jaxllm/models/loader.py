@@ -101,9 +101,8 @@ def abstract_model(arch: ArchConfig, dtype, quant=None):
     """(graphdef, abstract state) without allocating anything; `quant`: a
     QuantConfig (layers/quantization/schemes.py) or None."""
     from flax import nnx
-    from jaxllm.models.llama import LlamaForCausalLM
-    cls = LlamaForCausalLM     # the one decoder class: the Llama family
-    model = nnx.eval_shape(lambda: cls(arch, dtype, rngs=nnx.Rngs(0), quant=quant))
+    from jaxllm.models.llama import LlamaForCausalLM   # the one decoder class (Llama family)
+    model = nnx.eval_shape(lambda: LlamaForCausalLM(arch, dtype, rngs=nnx.Rngs(0), quant=quant))
     return nnx.split(model)
 
 
@@ -395,5 +394,7 @@ def _load_model(path, dtype_name, load_format, shardings, seed, quantization, tp
         quant = resolve_for_tp(hf, quantization, arch, os.path.join(path, "config.json"),
                                tp, dummy=True)
         dtype = resolve_dtype(dtype_name, hf.get("torch_dtype") or hf.get("dtype"))
-        return LoadedModel(arch, *dummy_state(arch, dtype, shardings, seed, quant), path, quant)
+        from jaxllm.models.quant_loader import kv_cache_scales
+        return LoadedModel(arch, *dummy_state(arch, dtype, shardings, seed, quant), path, quant,
+                           kv_cache_scales(None, quant, arch.num_layers))
     return load_hf_folder(path, dtype_name, shardings, quantization, tp)

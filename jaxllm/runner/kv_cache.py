@@ -50,14 +50,16 @@ def checkpoint_cache(cache: CacheConfig, kv_scales: tuple | None, source: str) -
     return dataclasses.replace(cache, kv_cache_dtype="fp8")
 
 
-def spec_kv_scales(kv_scales: tuple | None) -> dict:
+def spec_kv_scales(kv_scales: tuple | None, cache: CacheConfig) -> dict:
     """AttentionSpec's k_scale / v_scale for a checkpoint's per-layer fp8 KV scales
-    ((k, v) per layer; {} without): the largest of each, for every layer. The spec's
+    ((k, v) per layer): the largest of each, for every layer; {} without them or when
+    the pool is not e4m3 (a draft model's own scales under a target's float cache:
+    the kernels would scale a float pool's reads, which no write divided). The spec's
     scales are compile-time constants of the attention kernels, so per-layer values
     would compile a kernel set per layer and step size; one scale the largest keeps
     every layer's values in range (a smaller layer's values only sit lower in e4m3's
     range, whose relative step is the same in every binade above 2^-6)."""
-    if kv_scales is None:
+    if kv_scales is None or cache_dtype(cache, jnp.float32) != jnp.float8_e4m3fn:
         return {}
     return dict(k_scale=max(k for k, _ in kv_scales), v_scale=max(v for _, v in kv_scales))
 

@@ -64,7 +64,7 @@ class ModelRunner:
         self.spec = AttentionSpec(
             sm_scale=self.arch.head_dim ** -0.5, backend=backend,
             sliding_window=self.arch.sliding_window, mesh=mesh,
-            **kv_cache.spec_kv_scales(loaded.kv_scales),
+            **kv_cache.spec_kv_scales(loaded.kv_scales, config.cache),
             # Pallas on a CPU runs its kernels through the interpreter (tests).
             interpret=backend == "pallas" and jax.devices()[0].platform == "cpu")
         self.model_dtype = jax.tree.leaves(self.state)[0].dtype

@@ -100,3 +100,25 @@ def test_e5m2_cache_refused(folder, capsys):
               "--compilation-cache-dir", "none"])
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and "kv_cache_dtype=fp8_e5m2" in err[0], err
+
+
+def test_random_weights_run_the_fp8_cache_too(folder):
+    """--load-format dummy of such a checkpoint: the fp8 cache its real weights run
+    (scales of 1), and fp8_e5m2 refused as with them."""
+    llm = LLM(folder, load_format="dummy", **ENGINE)
+    assert str(llm.llm_engine.runner.kv_caches[0][0].dtype) == "float8_e4m3fn"
+    assert (llm.llm_engine.runner.spec.k_scale, llm.llm_engine.runner.spec.v_scale) == (1, 1)
+    with pytest.raises(ConfigError, match="kv_cache_dtype=fp8_e5m2"):
+        LLM(folder, load_format="dummy", kv_cache_dtype="fp8_e5m2", **ENGINE)
+
+
+@pytest.mark.parametrize("kv_cache_dtype, scaled", [("auto", False), ("fp8", True),
+                                                    ("fp8_e4m3", True), ("fp8_e5m2", False)])
+def test_scales_reach_the_spec_only_with_an_e4m3_pool(kv_cache_dtype, scaled):
+    """A model whose own checkpoint has KV scales behind another's cache config (a
+    draft model shares its target's): the kernels scale what they read whatever the
+    pool, so a float or e5m2 pool, which no write divided, must keep scales of 1."""
+    from jaxllm.config import CacheConfig
+    from jaxllm.runner.kv_cache import spec_kv_scales
+    got = spec_kv_scales(SCALES, CacheConfig(kv_cache_dtype=kv_cache_dtype))
+    assert got == (dict(k_scale=0.08, v_scale=0.04) if scaled else {})
