@@ -40,7 +40,7 @@ class Executor:
         self.weights_s = time.perf_counter() - t0
         # A checkpoint's fp8 KV scales choose the cache (kv_cache.checkpoint_cache).
         self.config = config = dataclasses.replace(config, cache=checkpoint_cache(
-            config.cache, loaded.kv_scales, loaded.source))
+            config.cache, loaded.quant, loaded.source))
         self.arch, self.model_path = loaded.arch, loaded.source
         # The same checks the CLI runs before loading (context length, batch budget, TP).
         check_against_model(config, self.arch, loaded.source)

@@ -36,7 +36,7 @@ def check_checkpoint(model, load_format: str, quantization: str | None, arch,
     fits the layers the engine builds at tensor-parallel size `tp`. Raises
     CheckpointError naming the problem."""
     from jaxllm.models.loader import SafetensorsReader
-    from jaxllm.models.quant_config import resolve_for_tp
+    from jaxllm.models.quant_config import kv_cache_dtype_for, resolve_for_tp
     from jaxllm.models.quant_loader import QuantWeights, check_float_tensors
     if model is None or model.endswith(".gguf") or load_format == "gguf":
         resolve_for_tp(None, quantization, arch, model or "the default model", tp,
@@ -45,10 +45,7 @@ def check_checkpoint(model, load_format: str, quantization: str | None, arch,
     source = os.path.join(model, "config.json")
     quant = resolve_for_tp(read_hf_config(model), quantization, arch, source, tp,
                            dummy=load_format == "dummy")
-    if quant is not None and quant.kv_scales and kv_cache_dtype == "fp8_e5m2":
-        # (the executor's kv_cache.checkpoint_cache says the same after loading)
-        raise CheckpointError(f"kv_cache_dtype=fp8_e5m2: {model} stores fp8 KV scales "
-                              "(kv_cache_scheme) for an e4m3 cache; use fp8 or auto")
+    kv_cache_dtype_for(quant, kv_cache_dtype, model)
     if load_format == "dummy":
         return
     reader = SafetensorsReader(model)

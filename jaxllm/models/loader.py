@@ -394,7 +394,5 @@ def _load_model(path, dtype_name, load_format, shardings, seed, quantization, tp
         quant = resolve_for_tp(hf, quantization, arch, os.path.join(path, "config.json"),
                                tp, dummy=True)
         dtype = resolve_dtype(dtype_name, hf.get("torch_dtype") or hf.get("dtype"))
-        from jaxllm.models.quant_loader import kv_cache_scales
-        return LoadedModel(arch, *dummy_state(arch, dtype, shardings, seed, quant), path, quant,
-                           kv_cache_scales(None, quant, arch.num_layers))
+        return LoadedModel(arch, *dummy_state(arch, dtype, shardings, seed, quant), path, quant)
     return load_hf_folder(path, dtype_name, shardings, quantization, tp)

@@ -147,6 +147,18 @@ def _compressed_tensors(qc: dict, num_layers: int, source: str) -> QuantConfig:
     return QuantConfig("compressed-tensors", False, tuple(schemes), layout, kv_scales)
 
 
+def kv_cache_dtype_for(quant: QuantConfig | None, kv_cache_dtype: str, source: str) -> str:
+    """The kv_cache_dtype a model runs with: as in vLLM, `auto` means an fp8 (e4m3)
+    cache for a checkpoint storing fp8 KV scales (kv_cache_scheme), and fp8_e5m2 is
+    refused there (the scales are e4m3's). The launcher and the executor both ask."""
+    if quant is None or not quant.kv_scales or kv_cache_dtype in ("fp8", "fp8_e4m3"):
+        return kv_cache_dtype
+    if kv_cache_dtype == "fp8_e5m2":
+        raise CheckpointError(f"kv_cache_dtype=fp8_e5m2: {source} stores fp8 KV scales "
+                              "(kv_cache_scheme) for an e4m3 cache; use fp8 or auto")
+    return "fp8"
+
+
 def _kv_cache_scheme(kv: dict | None, where: str) -> bool:
     """Whether the checkpoint stores fp8 KV-cache scales: what llm-compressor writes
     (8-bit float, one static scale per tensor, symmetric) is read; other KV schemes

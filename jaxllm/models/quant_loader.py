@@ -270,10 +270,7 @@ def kv_scale_names(quant: QuantConfig | None, num_layers: int, reader) -> list[s
 
 def kv_cache_scales(reader, quant: QuantConfig | None, num_layers: int):
     """((k_scale, v_scale) per layer) as floats, or None without a kv_cache_scheme;
-    QuantWeights has checked them. reader None (random weights): scales of 1, so the
-    engine runs the fp8 cache the checkpoint's real weights would."""
-    if reader is None:
-        return ((1.0, 1.0),) * num_layers if quant is not None and quant.kv_scales else None
+    QuantWeights has checked them."""
     names = kv_scale_names(quant, num_layers, reader)
     values = [float(reader.get(n).reshape(-1)[0]) for n in names]
     return tuple(zip(values[0::2], values[1::2])) or None

@@ -36,18 +36,20 @@ def cache_dtype(cache: CacheConfig, model_dtype):
     return jnp.float8_e5m2 if cache.kv_cache_dtype == "fp8_e5m2" else jnp.float8_e4m3fn
 
 
-def checkpoint_cache(cache: CacheConfig, kv_scales: tuple | None, source: str) -> CacheConfig:
-    """The cache a checkpoint with fp8 KV scales (compressed-tensors kv_cache_scheme)
-    runs with: as in vLLM, `auto` means an fp8 (e4m3) cache there, and fp8_e5m2 is
-    refused (the scales are e4m3's)."""
-    if kv_scales is None or cache.kv_cache_dtype in ("fp8", "fp8_e4m3"):
+def checkpoint_cache(cache: CacheConfig, quant, source: str) -> CacheConfig:
+    """The cache the loaded model runs with (quant_config.kv_cache_dtype_for: fp8 for a
+    checkpoint storing fp8 KV scales, whose real or random weights alike)."""
+    from jaxllm.models.errors import CheckpointError
+    from jaxllm.models.quant_config import kv_cache_dtype_for
+    try:
+        dtype = kv_cache_dtype_for(quant, cache.kv_cache_dtype, source)
+    except CheckpointError as e:
+        raise ConfigError(str(e)) from None
+    if dtype == cache.kv_cache_dtype:
         return cache
-    if cache.kv_cache_dtype == "fp8_e5m2":
-        raise ConfigError(f"kv_cache_dtype=fp8_e5m2: {source} stores fp8 KV scales "
-                          "(kv_cache_scheme) for an e4m3 cache; use fp8 or auto")
     logging.getLogger(__name__).info("KV cache in fp8 (e4m3): %s stores its scales "
                                      "(kv_cache_scheme)", source)
-    return dataclasses.replace(cache, kv_cache_dtype="fp8")
+    return dataclasses.replace(cache, kv_cache_dtype=dtype)
 
 
 def spec_kv_scales(kv_scales: tuple | None, cache: CacheConfig) -> dict:
