@@ -72,6 +72,7 @@ from jaxllm.layers.quantization.linear import (  # noqa: E402
     quantized_matmul, weight_only_matmul)
 from jaxllm.layers.quantization.schemes import ActScheme, LinearScheme  # noqa: E402
 from pallas_kernels import quant_matmul as qmm  # noqa: E402
+from pallas_kernels import w4a16_mgpu  # noqa: E402
 from pallas_kernels.common import to_f16  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
@@ -80,7 +81,7 @@ VARIANTS = {"default": {}, "no_triton": {"xla_gpu_enable_triton_gemm": False},
             "autotune0": {"xla_gpu_autotune_level": 0},
             "exhaustive": {"xla_gpu_exhaustive_tiling_search": True}}
 STORE = {"fp8": jnp.float8_e4m3fn, "int8": jnp.int8}
-PALLAS_KINDS = ("pallas_fp8", "pallas_int8", "xla_w4", "pallas_w4", "xla_u4")
+PALLAS_KINDS = ("pallas_fp8", "pallas_int8", "xla_w4", "pallas_w4", "xla_u4", "mgpu_w4")
 W4_GROUP = 128
 # Block-scaled fp8 (native FP8 checkpoints, 128x128 blocks; scales repeated per row).
 BLOCK = 128
@@ -179,6 +180,18 @@ def w4(pallas: bool, settings: dict):
     return f
 
 
+def mgpu_w4(settings: dict):
+    def f(x, q, s, b):
+        return w4a16_mgpu.w4a16_matmul(x, q, s, b, **settings)
+    return f
+
+
+def mgpu_w4_args(x, n, k, key):
+    """The Mosaic GPU kernel's layout of w4_args' weight (written once at load)."""
+    x, wq, s, z = w4_args(x, n, k, key)
+    return (x, w4a16_mgpu.kernel_weight(wq), *w4a16_mgpu.kernel_scales(s, z))
+
+
 def xla_u4(x, wq, s, z):
     """W4A16 through XLA with the weight typed uint4 (XLA stores it two to a byte and
     its Triton GEMMs read such weights in place), group scales and zeros in bf16."""
@@ -216,6 +229,9 @@ def pallas_error(kind, args, settings) -> float:
     if kind == "pallas_block_fp8":
         got = qmm.quant_matmul(*args[:2], None, args[2], out_dtype=jnp.float32, **settings)
         want = qmm.ref_quant_matmul(*args[:2], None, args[2], out_dtype=jnp.float32)
+    elif kind == "mgpu_w4":
+        got = mgpu_w4(settings)(*args).astype(jnp.float32)
+        want = w4a16_mgpu.ref_w4a16_matmul(*args, out_dtype=jnp.float32)
     elif kind == "pallas_w4":
         got = w4(True, settings)(*args)
         want = qmm.ref_quant_matmul_int4(*args, group=W4_GROUP)
@@ -243,6 +259,8 @@ def case_args(kind, m, n, k, key, settings=None):
         return w4(kind == "pallas_w4", settings or {}), w4_args(x, n, k, kw)
     if kind == "xla_u4":
         return xla_u4, u4_args(x, n, k, kw)
+    if kind == "mgpu_w4":
+        return mgpu_w4(settings or {}), mgpu_w4_args(x, n, k, kw)
     if kind in BLOCK_KINDS:
         wq = (jax.random.normal(kw, (n, k), jnp.float32) * 100).astype(jnp.float8_e4m3fn)
         ws = jax.random.uniform(kx, (n, k // BLOCK), jnp.float32, 1e-4, 4e-4)
@@ -287,9 +305,9 @@ def case(kind, m, n, k, options, key, settings=None, copies=1):
          "tflops": round(2 * m * n * k / us / 1e6, 1)}
     # The weight and its scales, read once a call: what bounds the small-M rows.
     # (numpy counts a uint4 element as a byte; XLA stores two to a byte)
-    nbytes = sum(a.size // 2 if a.dtype == jnp.uint4 else a.nbytes for a in args[1:])
+    nbytes = sum(a.size // 2 if a.dtype in (jnp.uint4, jnp.int4) else a.nbytes for a in args[1:])
     r["weight_gbps"] = round(nbytes / us / 1e3, 1)
-    if kind.startswith("pallas"):
+    if kind.startswith(("pallas", "mgpu")):
         r["max_rel_err"] = pallas_error(kind, args, settings or {})
     return r
 
