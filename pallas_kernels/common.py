@@ -65,6 +65,19 @@ def num_sms() -> int:
     return int(count) if count else FALLBACK_NUM_SMS
 
 
+def is_hopper() -> bool:
+    """Whether the GPU the kernels are lowered for is a Hopper (sm90: H100 / H200 /
+    H800 / H20 / GH200), where Mosaic GPU's wgmma kernels run: target_device()'s kind,
+    else the default device's."""
+    dev = target_device()
+    if dev is None or target_platform() != "gpu":
+        dev = jax.devices()[0]
+        if dev.platform != "gpu":
+            return False
+    kind = (getattr(dev, "device_kind", "") or "").upper()
+    return any(h in kind for h in ("H100", "H200", "H800", "H20", "GH200"))
+
+
 # Shared memory one thread block may use on Hopper (H100 / H200: 227 KiB, opt-in).
 SMEM_BYTES = 232_448
 # Bytes of f32 accumulator [M, Dp] a program keeps in registers: 256 x 128 (the tuned

@@ -43,6 +43,17 @@ def kernel_weight(w_u8):
             ).astype(jnp.int4)
 
 
+def checkpoint_operands(w_u8, scale, zero):
+    """The checkpoint's layout as the kernel's operands with ``unsigned=True``, per call:
+    the bytes reread as int4 (a bitcast: int4's first element is a byte's low nibble,
+    as the checkpoint packs them; each uint4 q then reads as q - 16 where q >= 8) and
+    bf16 (s, b) [K/G, N] with b = -z * s (one small fusion over the scales)."""
+    n, half = w_u8.shape
+    q = lax.bitcast_convert_type(w_u8, jnp.int4).reshape(n, 2 * half)
+    s = scale.astype(jnp.float32)
+    return q, s.T.astype(jnp.bfloat16), (-zero.astype(jnp.float32) * s).T.astype(jnp.bfloat16)
+
+
 def kernel_scales(scale, zero):
     """f32 scale and zero point [N, K/G] -> bf16 (s, b) [K/G, N], b = (8 - z) * s."""
     s = scale.astype(jnp.float32)
@@ -52,15 +63,19 @@ def kernel_scales(scale, zero):
 
 # --- reference -----------------------------------------------------------------------
 
-def ref_w4a16_matmul(x, q, s, b, *, out_dtype=None, **settings):
+def ref_w4a16_matmul(x, q, s, b, *, out_dtype=None, unsigned=False, **settings):
     """x [M, K] bf16, q int4 [N, K], s / b bf16 [K/G, N] -> [M, N] ``out_dtype``
-    (default x's dtype). The weight as the kernel widens it: q * s + b in f32 rounded
+    (default x's dtype); ``unsigned``: q holds uint4 values bit for bit (each read as
+    q - 16 where q >= 8, see checkpoint_operands). The weight as the kernel widens it: q * s + b in f32 rounded
     once to bf16 (the kernel's bf16 arithmetic rounds the product and the sum apart:
     within a unit in the last place of it), then the dot in f32."""
     del settings
     n, k = q.shape
     g = jnp.arange(k) // GROUP
-    w = (q.astype(jnp.float32) * s.T[:, g].astype(jnp.float32)
+    v = q.astype(jnp.float32)
+    if unsigned:
+        v = jnp.where(v < 0, v + 16, v)
+    w = (v * s.T[:, g].astype(jnp.float32)
          + b.T[:, g].astype(jnp.float32)).astype(jnp.bfloat16)
     y = jnp.einsum("mk,nk->mn", x.astype(jnp.float32), w.astype(jnp.float32),
                    precision=lax.Precision.HIGHEST)
@@ -79,8 +94,8 @@ def default_k_splits(n: int, k: int, tile_n: int) -> int:
     return s
 
 
-def w4a16_matmul(x, q, s, b, *, out_dtype=None, tile_n=128, k_splits=None, stages=4,
-                 interpret=False):
+def w4a16_matmul(x, q, s, b, *, out_dtype=None, unsigned=False, tile_n=128, k_splits=None,
+                 stages=4, interpret=False):
     """Same contract as ``ref_w4a16_matmul``; the rest are kernel settings. M <= 64."""
     m, k = x.shape
     n = q.shape[0]
@@ -99,7 +114,8 @@ def w4a16_matmul(x, q, s, b, *, out_dtype=None, tile_n=128, k_splits=None, stage
     per = steps // splits
     xt = jnp.pad(x.astype(jnp.bfloat16), ((0, mp - m), (0, 0))).T          # [K, Mp]
     out = _call(xt, q, s.astype(jnp.bfloat16), b.astype(jnp.bfloat16), n=n, mp=mp,
-                tile_n=tile_n, splits=splits, per=per, stages=stages, interpret=interpret)
+                tile_n=tile_n, splits=splits, per=per, stages=stages, unsigned=unsigned,
+                interpret=interpret)
     return out.sum(0)[:, :m].T.astype(out_dtype or x.dtype)
 
 
@@ -109,7 +125,7 @@ def _transforms(minor_bits: int, elem_bits: int, what: str):
             plgpu.SwizzleTransform(swizzle))
 
 
-def _call(xt, q, s, b, *, n, mp, tile_n, splits, per, stages, interpret):
+def _call(xt, q, s, b, *, n, mp, tile_n, splits, per, stages, unsigned, interpret):
     q_tr = _transforms(GROUP * 4, 4, "weight")
     x_tr = _transforms(mp * 16, 16, "x")
     # Interpret mode's wgmma reads A from shared memory only: there the widened tile is
@@ -125,6 +141,8 @@ def _call(xt, q, s, b, *, n, mp, tile_n, splits, per, stages, interpret):
 
         def step(_, q_smem, x_smem, s_smem, b_smem, acc):
             w = load(q_smem, plgpu.Layout.WGMMA).astype(jnp.bfloat16)
+            if unsigned:      # back to the uint4 value: one compare and select a value
+                w = jnp.where(w < 0, w + 16, w)
             sc, bi = load(s_smem, row), load(b_smem, row)
             w = w * lax.broadcast_in_dim(sc, w.shape, (0,)) + lax.broadcast_in_dim(
                 bi, w.shape, (0,))

@@ -81,7 +81,8 @@ VARIANTS = {"default": {}, "no_triton": {"xla_gpu_enable_triton_gemm": False},
             "autotune0": {"xla_gpu_autotune_level": 0},
             "exhaustive": {"xla_gpu_exhaustive_tiling_search": True}}
 STORE = {"fp8": jnp.float8_e4m3fn, "int8": jnp.int8}
-PALLAS_KINDS = ("pallas_fp8", "pallas_int8", "xla_w4", "pallas_w4", "xla_u4", "mgpu_w4")
+PALLAS_KINDS = ("pallas_fp8", "pallas_int8", "xla_w4", "pallas_w4", "xla_u4", "mgpu_w4",
+                "mgpu_w4u")
 W4_GROUP = 128
 # Block-scaled fp8 (native FP8 checkpoints, 128x128 blocks; scales repeated per row).
 BLOCK = 128
@@ -186,6 +187,15 @@ def mgpu_w4(settings: dict):
     return f
 
 
+def mgpu_w4u(settings: dict):
+    """The kernel on the checkpoint's layout (the engine's uint4 params), the operands
+    made per call (checkpoint_operands)."""
+    def f(x, wq, s, z):
+        ops = w4a16_mgpu.checkpoint_operands(wq, s, z)
+        return w4a16_mgpu.w4a16_matmul(x, *ops, unsigned=True, **settings)
+    return f
+
+
 def mgpu_w4_args(x, n, k, key):
     """The Mosaic GPU kernel's layout of w4_args' weight (written once at load)."""
     x, wq, s, z = w4_args(x, n, k, key)
@@ -232,8 +242,8 @@ def pallas_error(kind, args, settings) -> float:
     elif kind == "mgpu_w4":
         got = mgpu_w4(settings)(*args).astype(jnp.float32)
         want = w4a16_mgpu.ref_w4a16_matmul(*args, out_dtype=jnp.float32)
-    elif kind == "pallas_w4":
-        got = w4(True, settings)(*args)
+    elif kind in ("pallas_w4", "mgpu_w4u"):
+        got = (w4(True, settings) if kind == "pallas_w4" else mgpu_w4u(settings))(*args)
         want = qmm.ref_quant_matmul_int4(*args, group=W4_GROUP)
     else:
         x, wq, ws = args
@@ -261,6 +271,8 @@ def case_args(kind, m, n, k, key, settings=None):
         return xla_u4, u4_args(x, n, k, kw)
     if kind == "mgpu_w4":
         return mgpu_w4(settings or {}), mgpu_w4_args(x, n, k, kw)
+    if kind == "mgpu_w4u":
+        return mgpu_w4u(settings or {}), w4_args(x, n, k, kw)
     if kind in BLOCK_KINDS:
         wq = (jax.random.normal(kw, (n, k), jnp.float32) * 100).astype(jnp.float8_e4m3fn)
         ws = jax.random.uniform(kx, (n, k // BLOCK), jnp.float32, 1e-4, 4e-4)

@@ -97,3 +97,20 @@ def test_lowers_for_cuda(m, n, k):
     args = (SD((m, k), jnp.bfloat16), SD((n, k), jnp.int4), SD((k // G, n), jnp.bfloat16),
             SD((k // G, n), jnp.bfloat16))
     assert "mosaic_gpu" in lower_for_cuda(functools.partial(w4.w4a16_matmul), *args)
+
+
+def test_checkpoint_operands_unsigned_match_the_checkpoint_reference():
+    """The checkpoint's bytes reread as int4 (a bitcast) with ``unsigned``: the kernel
+    (interpret mode) and its twin compute what the checkpoint's weights mean."""
+    wu8, s, z = _checkpoint(128, 512, seed=7)
+    x = _x(6, 512, seed=8)
+    want = qmm.ref_quant_matmul_int4(x, wu8, s, z, group=G, out_dtype=jnp.float32)
+    ops = w4.checkpoint_operands(wu8, s, z)
+    twin = w4.ref_w4a16_matmul(x, *ops, unsigned=True, out_dtype=jnp.float32)
+    got = w4.w4a16_matmul(x, *ops, unsigned=True, k_splits=2, out_dtype=jnp.float32,
+                          interpret=True)
+    scale = float(jnp.max(jnp.abs(want)))
+    assert float(jnp.max(jnp.abs(twin - want))) < 6e-3 * scale
+    np.testing.assert_allclose(np.asarray(got), np.asarray(twin), rtol=0, atol=4e-3 * scale)
+    signed = w4.ref_w4a16_matmul(x, *ops, out_dtype=jnp.float32)    # unsigned forgotten
+    assert float(jnp.max(jnp.abs(signed - want))) > 0.1 * scale

@@ -25,7 +25,7 @@ from flax import nnx
 from jaxllm.env_switch import env_switch
 from jaxllm.layers.quantization.rotation import block_size, hadamard, rotate
 from jaxllm.layers.quantization.schemes import FP8_MAX, INT8_MAX, ActScheme, LinearScheme
-from pallas_kernels.common import target_platform, to_f16
+from pallas_kernels.common import is_hopper, target_platform, to_f16
 
 STORAGE = {"fp8": jnp.float8_e4m3fn, "int8": jnp.int8, "uint4": jnp.uint8, "uint8": jnp.uint8}
 # A floor under dynamic scales: an all-zero token row quantizes to zeros, not NaN.
@@ -171,10 +171,9 @@ def grouped_dequant_matmul(x, wq, scale, zero, g_idx, scheme: LinearScheme, nk: 
     return jnp.einsum("tk,...k->t...", xf, w, preferred_element_type=jnp.float32)
 
 
-# Tokens up to which a uint4 layer runs the fused Pallas kernel on a GPU
-# (pallas_kernels/quant_matmul.py); larger batches dequantize through XLA. On the
-# H200 the kernel beat XLA's dequantize-then-dot on every 8B projection at M = 1-64
-# (gate/up at 64: 142 against 349 us); above 64 it was not measured.
+# Tokens up to which a uint4 layer runs a fused kernel on a GPU; larger batches
+# dequantize through XLA. On the H200 the Triton kernel (quant_matmul.py) beat XLA's
+# path on every 8B projection at M = 1-64 (gate/up at 64: 142 against 349 us).
 INT4_KERNEL_ROWS = 64
 
 
@@ -222,6 +221,13 @@ def block_kernel_matmul(x, wq, w_scale, nk: int, interpret: bool = False):
     return y.reshape(t, *out)
 
 
+def use_mosaic_int4(scheme: LinearScheme, n: int, k: int) -> bool:
+    """The Mosaic GPU kernel (w4a16_mgpu.py): groups of 128, N and K multiples of 128,
+    a Hopper GPU, JAXLLM_INT4_MOSAIC=1."""
+    return (env_switch("JAXLLM_INT4_MOSAIC", False) and scheme.group == 128
+            and n % 128 == 0 and k % 128 == 0 and is_hopper())
+
+
 def int4_kernel_matmul(x, wq, scale, zero, scheme: LinearScheme, nk: int,
                        interpret: bool = False):
     """grouped_dequant_matmul's contract through the fused kernel: the projection's
@@ -233,9 +239,14 @@ def int4_kernel_matmul(x, wq, scale, zero, scheme: LinearScheme, nk: int,
     xf = x.reshape(t, -1)
     out = wq.shape[:wq.ndim - nk]
     n = math.prod(out)
-    y = quant_matmul_int4(xf, wq.reshape(n, -1), scale.reshape(n, -1),
-                          zero.reshape(n, -1), group=scheme.group, out_dtype=x.dtype,
-                          interpret=interpret)
+    wq, scale, zero = wq.reshape(n, -1), scale.reshape(n, -1), zero.reshape(n, -1)
+    if use_mosaic_int4(scheme, n, xf.shape[1]) and not interpret:
+        from pallas_kernels import w4a16_mgpu                    # Mosaic GPU, lazily
+        ops = w4a16_mgpu.checkpoint_operands(wq, scale, zero)
+        y = w4a16_mgpu.w4a16_matmul(xf, *ops, unsigned=True, out_dtype=x.dtype)
+    else:
+        y = quant_matmul_int4(xf, wq, scale, zero, group=scheme.group, out_dtype=x.dtype,
+                              interpret=interpret)
     return y.reshape(t, *out)
 
 
