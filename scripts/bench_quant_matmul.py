@@ -81,8 +81,7 @@ VARIANTS = {"default": {}, "no_triton": {"xla_gpu_enable_triton_gemm": False},
             "autotune0": {"xla_gpu_autotune_level": 0},
             "exhaustive": {"xla_gpu_exhaustive_tiling_search": True}}
 STORE = {"fp8": jnp.float8_e4m3fn, "int8": jnp.int8}
-PALLAS_KINDS = ("pallas_fp8", "pallas_int8", "xla_w4", "pallas_w4", "xla_u4", "mgpu_w4",
-                "mgpu_w4u")
+PALLAS_KINDS = ("pallas_fp8", "pallas_int8", "xla_w4", "pallas_w4", "xla_u4", "mgpu_w4")
 W4_GROUP = 128
 # Block-scaled fp8 (native FP8 checkpoints, 128x128 blocks; scales repeated per row).
 BLOCK = 128
@@ -182,24 +181,10 @@ def w4(pallas: bool, settings: dict):
 
 
 def mgpu_w4(settings: dict):
-    def f(x, q, s, b):
-        return w4a16_mgpu.w4a16_matmul(x, q, s, b, **settings)
-    return f
-
-
-def mgpu_w4u(settings: dict):
-    """The kernel on the checkpoint's layout (the engine's uint4 params), the operands
-    made per call (checkpoint_operands)."""
+    """The Mosaic GPU kernel on the checkpoint's layout (the engine's uint4 params)."""
     def f(x, wq, s, z):
-        ops = w4a16_mgpu.checkpoint_operands(wq, s, z)
-        return w4a16_mgpu.w4a16_matmul(x, *ops, unsigned=True, **settings)
+        return w4a16_mgpu.w4a16_matmul(x, w4a16_mgpu.as_int4(wq), s, z, **settings)
     return f
-
-
-def mgpu_w4_args(x, n, k, key):
-    """The Mosaic GPU kernel's layout of w4_args' weight (written once at load)."""
-    x, wq, s, z = w4_args(x, n, k, key)
-    return (x, w4a16_mgpu.kernel_weight(wq), *w4a16_mgpu.kernel_scales(s, z))
 
 
 def xla_u4(x, wq, s, z):
@@ -239,11 +224,8 @@ def pallas_error(kind, args, settings) -> float:
     if kind == "pallas_block_fp8":
         got = qmm.quant_matmul(*args[:2], None, args[2], out_dtype=jnp.float32, **settings)
         want = qmm.ref_quant_matmul(*args[:2], None, args[2], out_dtype=jnp.float32)
-    elif kind == "mgpu_w4":
-        got = mgpu_w4(settings)(*args).astype(jnp.float32)
-        want = w4a16_mgpu.ref_w4a16_matmul(*args, out_dtype=jnp.float32)
-    elif kind in ("pallas_w4", "mgpu_w4u"):
-        got = (w4(True, settings) if kind == "pallas_w4" else mgpu_w4u(settings))(*args)
+    elif kind in ("pallas_w4", "mgpu_w4"):
+        got = (w4(True, settings) if kind == "pallas_w4" else mgpu_w4(settings))(*args)
         want = qmm.ref_quant_matmul_int4(*args, group=W4_GROUP)
     else:
         x, wq, ws = args
@@ -270,9 +252,7 @@ def case_args(kind, m, n, k, key, settings=None):
     if kind == "xla_u4":
         return xla_u4, u4_args(x, n, k, kw)
     if kind == "mgpu_w4":
-        return mgpu_w4(settings or {}), mgpu_w4_args(x, n, k, kw)
-    if kind == "mgpu_w4u":
-        return mgpu_w4u(settings or {}), w4_args(x, n, k, kw)
+        return mgpu_w4(settings or {}), w4_args(x, n, k, kw)
     if kind in BLOCK_KINDS:
         wq = (jax.random.normal(kw, (n, k), jnp.float32) * 100).astype(jnp.float8_e4m3fn)
         ws = jax.random.uniform(kx, (n, k // BLOCK), jnp.float32, 1e-4, 4e-4)
@@ -317,7 +297,7 @@ def case(kind, m, n, k, options, key, settings=None, copies=1):
          "tflops": round(2 * m * n * k / us / 1e6, 1)}
     # The weight and its scales, read once a call: what bounds the small-M rows.
     # (numpy counts a uint4 element as a byte; XLA stores two to a byte)
-    nbytes = sum(a.size // 2 if a.dtype in (jnp.uint4, jnp.int4) else a.nbytes for a in args[1:])
+    nbytes = sum(a.size // 2 if a.dtype == jnp.uint4 else a.nbytes for a in args[1:])
     r["weight_gbps"] = round(nbytes / us / 1e3, 1)
     if kind.startswith(("pallas", "mgpu")):
         r["max_rel_err"] = pallas_error(kind, args, settings or {})

@@ -222,10 +222,11 @@ def block_kernel_matmul(x, wq, w_scale, nk: int, interpret: bool = False):
 
 
 def use_mosaic_int4(scheme: LinearScheme, n: int, k: int) -> bool:
-    """The Mosaic GPU kernel (w4a16_mgpu.py): groups of 128, N and K multiples of 128,
-    a Hopper GPU, JAXLLM_INT4_MOSAIC=1."""
+    """The Mosaic GPU kernel (w4a16_mgpu.py): groups of 128, shapes it tiles, a
+    Hopper GPU, JAXLLM_INT4_MOSAIC=1."""
+    from pallas_kernels import w4a16_mgpu
     return (env_switch("JAXLLM_INT4_MOSAIC", False) and scheme.group == 128
-            and n % 128 == 0 and k % 128 == 0 and is_hopper())
+            and w4a16_mgpu.supported(n, k) and is_hopper())
 
 
 def int4_kernel_matmul(x, wq, scale, zero, scheme: LinearScheme, nk: int,
@@ -241,9 +242,8 @@ def int4_kernel_matmul(x, wq, scale, zero, scheme: LinearScheme, nk: int,
     n = math.prod(out)
     wq, scale, zero = wq.reshape(n, -1), scale.reshape(n, -1), zero.reshape(n, -1)
     if use_mosaic_int4(scheme, n, xf.shape[1]) and not interpret:
-        from pallas_kernels import w4a16_mgpu                    # Mosaic GPU, lazily
-        ops = w4a16_mgpu.checkpoint_operands(wq, scale, zero)
-        y = w4a16_mgpu.w4a16_matmul(xf, *ops, unsigned=True, out_dtype=x.dtype)
+        from pallas_kernels.w4a16_mgpu import as_int4, w4a16_matmul   # Mosaic GPU, lazily
+        y = w4a16_matmul(xf, as_int4(wq), scale, zero, out_dtype=x.dtype)
     else:
         y = quant_matmul_int4(xf, wq, scale, zero, group=scheme.group, out_dtype=x.dtype,
                               interpret=interpret)
