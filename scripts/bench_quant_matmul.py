@@ -16,7 +16,9 @@ its remaining cases (the default options' autotuning of fp8 GEMMs is what is pro
 at M = 1, 8, 16, 64 under the no_triton options unless --ms / --variants say: the
 W8A8 layer path with the kernel in place of XLA's dot (pallas_fp8, pallas_int8), and
 W4A16 with groups of 128 through XLA (xla_w4: grouped_dequant_matmul; xla_u4: the
-weight typed uint4, which XLA's Triton GEMMs read packed) and the kernel (pallas_w4).
+weight typed uint4, which XLA's Triton GEMMs read packed), the Triton kernel
+(pallas_w4) and the Mosaic GPU kernel on the same bytes (mgpu_w4:
+pallas_kernels/w4a16_mgpu.py, Hopper only).
 Rows then also print the weight's GB/s (weight and scales over the run time), and the
 Pallas rows the kernel's largest error against its plain-jnp reference
 on the same inputs (relative to the largest output), so the kernels' first runs on a
