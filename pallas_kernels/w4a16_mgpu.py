@@ -1,7 +1,7 @@
 """W4A16 matmul for decode-sized steps on Hopper, in Pallas' Mosaic GPU backend: the
 4-bit weight streamed by TMA through a pipeline of shared-memory stages, widened to
 bf16 in registers with its group's zero point and scale, and multiplied there by
-wgmma (A from registers, B = x's tile from shared memory).
+wgmma (A from registers, B = x's tile from shared memory, read transposed).
 
 Letter legend: M tokens (rows of x), Mp = M padded to a power of two in [16, 64],
 N output channels, K contracted dim, G the group size (= columns per step), TN
@@ -92,8 +92,8 @@ def w4a16_matmul(x, q, scale, zero, *, out_dtype=None, tile_n=128, k_splits=None
         raise ValueError(f"k_splits {splits}: must divide K's {groups} groups into "
                          "multiples of 4")
     mp = max(16, 1 << (m - 1).bit_length())
-    xt = jnp.pad(x.astype(jnp.bfloat16), ((0, mp - m), (0, 0))).T          # [K, Mp]
-    out = _call(xt, q, scale.astype(jnp.float32), zero.astype(jnp.float32), n=n, mp=mp,
+    xp = jnp.pad(x.astype(jnp.bfloat16), ((0, mp - m), (0, 0)))            # [Mp, K]
+    out = _call(xp, q, scale.astype(jnp.float32), zero.astype(jnp.float32), n=n, mp=mp,
                 tile_n=tile_n, splits=splits, per=groups // splits, stages=stages,
                 interpret=interpret)
     return out.sum(0)[:, :m].T.astype(out_dtype or x.dtype)
@@ -105,12 +105,13 @@ def _transforms(minor_bits: int, elem_bits: int, what: str):
             plgpu.SwizzleTransform(swizzle))
 
 
-def _call(xt, q, scale, zero, *, n, mp, tile_n, splits, per, stages, interpret):
+def _call(xp, q, scale, zero, *, n, mp, tile_n, splits, per, stages, interpret):
     q_tr = _transforms(GROUP * 4, 4, "weight")
-    x_tr = _transforms(mp * 16, 16, "x")
+    x_tr = _transforms(GROUP * 16, 16, "x")
     row = plgpu.Layout.WGMMA.reduce(1)
-    # Interpret mode's wgmma reads A from shared memory only, and its loads take no
-    # layouts: there the widened tile is stored first (the GPU keeps it in registers).
+    # Interpret mode's wgmma reads A from shared memory only and takes no transposed
+    # refs, and its loads take no layouts: there the widened tile and x^T are stored
+    # first (the GPU keeps the tile in registers and reads x's tile transposed).
     a_tr = _transforms(GROUP * 16, 16, "widened weight")
 
     def load(ref, layout, optimized=True):
@@ -118,7 +119,7 @@ def _call(xt, q, scale, zero, *, n, mp, tile_n, splits, per, stages, interpret):
             return ref[...]
         return plgpu.load(ref, (), layout=layout, optimized=optimized)
 
-    def kernel(q_gmem, xt_gmem, s_gmem, z_gmem, out_gmem, out_smem, s_slab, z_slab, bar,
+    def kernel(q_gmem, x_gmem, s_gmem, z_gmem, out_gmem, out_smem, s_slab, z_slab, bar,
                *a_smem):
         ni, si = lax.axis_index("n"), lax.axis_index("s")
         rows, cols = pl.ds(ni * tile_n, tile_n), pl.ds(si * per, per)
@@ -135,11 +136,13 @@ def _call(xt, q, scale, zero, *, n, mp, tile_n, splits, per, stages, interpret):
             d = w - lax.broadcast_in_dim(z, w.shape, (0,))
             d = jnp.where(w < 0, d + 16, d)       # the uint4 value back (see as_int4)
             w = d * lax.broadcast_in_dim(s, w.shape, (0,))
+            xt = plgpu.transpose_ref(x_smem, (1, 0))                     # x^T [G, Mp]
             if a_smem:
                 a_smem[0][...] = w
+                a_smem[1][...] = x_smem[...].T
                 plgpu.commit_smem()
-                w = a_smem[0]
-            plgpu.wgmma(acc, w, x_smem)
+                w, xt = a_smem
+            plgpu.wgmma(acc, w, xt)
             plgpu.wgmma_wait(0)
             return acc
 
@@ -150,8 +153,8 @@ def _call(xt, q, scale, zero, *, n, mp, tile_n, splits, per, stages, interpret):
                 in_specs=[
                     plgpu.BlockSpec((tile_n, GROUP), lambda j: (ni, first + j),
                                     transforms=q_tr),
-                    plgpu.BlockSpec((GROUP, mp), lambda j: (first + j, 0), transforms=x_tr),
-                ])(q_gmem, xt_gmem)
+                    plgpu.BlockSpec((mp, GROUP), lambda j: (0, first + j), transforms=x_tr),
+                ])(q_gmem, x_gmem)
             out_smem[...] = acc[...]
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[si, pl.ds(ni * tile_n, tile_n)])
@@ -162,12 +165,13 @@ def _call(xt, q, scale, zero, *, n, mp, tile_n, splits, per, stages, interpret):
     scratch = [plgpu.SMEM((tile_n, mp), jnp.float32), plgpu.SMEM((tile_n, per), jnp.float32),
                plgpu.SMEM((tile_n, per), jnp.float32), plgpu.Barrier(num_barriers=2)]
     if interpret:
-        scratch.append(plgpu.SMEM((tile_n, GROUP), jnp.bfloat16, transforms=a_tr))
+        scratch += [plgpu.SMEM((tile_n, GROUP), jnp.bfloat16, transforms=a_tr),
+                    plgpu.SMEM((GROUP, mp), jnp.bfloat16)]
     f = plgpu.kernel(
         kernel, out_type=jax.ShapeDtypeStruct((splits, n, mp), jnp.float32),
         grid=(n // tile_n, splits), grid_names=("n", "s"), scratch_types=scratch,
         interpret=_interpret_params() if interpret else None)
-    return f(q, xt, scale, zero)
+    return f(q, xp, scale, zero)
 
 
 def _interpret_params():
