@@ -241,9 +241,9 @@ def int4_kernel_matmul(x, wq, scale, zero, scheme: LinearScheme, nk: int,
     out = wq.shape[:wq.ndim - nk]
     n = math.prod(out)
     wq, scale, zero = wq.reshape(n, -1), scale.reshape(n, -1), zero.reshape(n, -1)
-    if use_mosaic_int4(scheme, n, xf.shape[1]) and not interpret:
+    if use_mosaic_int4(scheme, n, xf.shape[1]):
         from pallas_kernels.w4a16_mgpu import as_int4, w4a16_matmul   # Mosaic GPU, lazily
-        y = w4a16_matmul(xf, as_int4(wq), scale, zero, out_dtype=x.dtype)
+        y = w4a16_matmul(xf, as_int4(wq), scale, zero, out_dtype=x.dtype, interpret=interpret)
     else:
         y = quant_matmul_int4(xf, wq, scale, zero, group=scheme.group, out_dtype=x.dtype,
                               interpret=interpret)

@@ -1,0 +1,71 @@
+"""QuantLinear's uint4 layers through the Mosaic GPU kernel (JAXLLM_INT4_MOSAIC=1):
+where it applies, what the layer lowers to for a Hopper GPU, and the layer's numbers
+through it (GPU interpret mode) against XLA's dequantize-then-dot."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from cuda_lowering import lower_for_cuda
+
+from jaxllm.layers.quantization import linear
+from jaxllm.layers.quantization.schemes import LinearScheme
+
+G128 = LinearScheme("uint4", group=128)
+
+
+def test_mosaic_only_where_it_applies(monkeypatch):
+    monkeypatch.setattr(linear, "is_hopper", lambda: True)
+    monkeypatch.setenv("JAXLLM_INT4_MOSAIC", "1")
+    assert linear.use_mosaic_int4(G128, 4096, 4096)
+    assert not linear.use_mosaic_int4(LinearScheme("uint4", group=64), 4096, 4096)
+    assert not linear.use_mosaic_int4(G128, 4096 + 64, 4096)     # N off the 128 tiles
+    assert not linear.use_mosaic_int4(G128, 4096, 128 * 6)       # 6 groups: no 4-group slabs
+    monkeypatch.setenv("JAXLLM_INT4_MOSAIC", "0")
+    assert not linear.use_mosaic_int4(G128, 4096, 4096)
+    monkeypatch.setenv("JAXLLM_INT4_MOSAIC", "1")
+    monkeypatch.setattr(linear, "is_hopper", lambda: False)
+    assert not linear.use_mosaic_int4(G128, 4096, 4096)
+
+
+@pytest.mark.parametrize("switch,kernel", [("1", "mosaic_gpu"), ("0", "quant_matmul_int4")])
+def test_layer_lowers_to_the_mosaic_kernel_for_hopper(monkeypatch, switch, kernel):
+    """Lowered for the H200 (lower_for_cuda's abstract device) at decode sizes: the
+    Mosaic kernel with the switch on, the Triton kernel with it off."""
+    from flax import nnx
+    nnx.use_eager_sharding(False)
+    monkeypatch.setenv("JAXLLM_INT4_MOSAIC", switch)
+    monkeypatch.setattr(jax, "device_count", lambda: 1)
+    layer = linear.QuantLinear(G128, (2, 8, 128), (4096,), (None,) * 3, (None,))
+    graph, state = nnx.split(layer)
+
+    def call(state, x):
+        return nnx.merge(graph, state)(x, tp=1)
+    text = lower_for_cuda(call, state, jax.ShapeDtypeStruct((16, 4096), jnp.bfloat16))
+    assert kernel in text
+    assert ("quant_matmul_int4" in text) == (switch == "0")
+
+
+@pytest.mark.parametrize("in_shape,out_shape", [((512,), (2, 2, 64)), ((4, 128), (128,))],
+                         ids=["kv_proj", "o_proj"])
+def test_layer_through_mosaic_matches_xla_dequant(monkeypatch, in_shape, out_shape):
+    """int4_kernel_matmul's Mosaic branch (interpret mode) flattens a projection's dims
+    as XLA's path reads them: the same numbers within the bf16 roundings of the scales
+    and of each dequantized weight."""
+    monkeypatch.setattr(linear, "is_hopper", lambda: True)
+    monkeypatch.setenv("JAXLLM_INT4_MOSAIC", "1")
+    rng = np.random.default_rng(5)
+    k = int(np.prod(in_shape))
+    packed = jnp.asarray(rng.integers(0, 256, out_shape + in_shape[:-1] + (in_shape[-1] // 2,)),
+                         jnp.uint8)
+    scale = jnp.asarray(rng.uniform(0.005, 0.02, out_shape + (k // 128,)), jnp.float32)
+    zero = jnp.asarray(rng.integers(0, 16, out_shape + (k // 128,)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((6,) + in_shape), jnp.bfloat16)
+    nk = len(in_shape)
+    assert linear.use_mosaic_int4(G128, int(np.prod(out_shape)), k)
+    got = linear.int4_kernel_matmul(x, packed, scale, zero, G128, nk, interpret=True)
+    want = linear.grouped_dequant_matmul(x, packed, scale, zero, None, G128, nk)
+    assert got.shape == want.shape == (6,) + out_shape
+    err = np.abs(np.asarray(got, np.float32) - np.asarray(want, np.float32)).max()
+    assert err < 6e-3 * np.abs(np.asarray(want, np.float32)).max()
