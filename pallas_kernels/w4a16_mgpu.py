@@ -10,8 +10,9 @@ output channels per program, S k-splits, P = K / G / S groups per split.
 Operands are the checkpoint's layout as jaxllm stores it (no copy at load): the uint4
 weight two a byte, the even column in the low nibble, reread as int4 [N, K] by a
 bitcast (``as_int4``: int4's first element is a byte's low nibble), so a value q
-reads as q - 16 where q >= 8 and the kernel adds the 16 back; f32 scale and zero
-point [N, K/G]. A program copies its [TN, P] slab of each once into shared memory.
+reads as q - 16 where q >= 8 and the kernel flips each nibble's top bit; f32 scale
+and zero point [N, K/G]. A program copies its [TN, P] slab of each once into shared
+memory.
 
 Grid (N / TN, S). A program owns TN channels and 1/S of K and computes
 acc[TN, Mp] += W[TN, G] @ x^T[G, Mp] per step, with W = (q - z) * s: the integer
@@ -130,12 +131,15 @@ def _call(xp, q, scale, zero, *, n, mp, tile_n, splits, per, stages, interpret):
 
         def step(idx, q_smem, x_smem, acc):
             j = idx[0]
-            w = load(q_smem, plgpu.Layout.WGMMA).astype(jnp.bfloat16)
-            z = load(z_slab.at[:, j], row, optimized=False).astype(jnp.bfloat16)
+            # Flipping each nibble's top bit turns the reread q - 16 [q >= 8] into q - 8
+            # (one xor a register); the zero point takes the 8: q - z = (q - 8) - (z - 8).
+            w = (load(q_smem, plgpu.Layout.WGMMA_UPCAST_2X) ^ jnp.int4(-8)).astype(jnp.bfloat16)
+            if not interpret:
+                w = plgpu.layout_cast(w, plgpu.Layout.WGMMA)
+            z = load(z_slab.at[:, j], row, optimized=False).astype(jnp.bfloat16) - 8
             s = load(s_slab.at[:, j], row, optimized=False).astype(jnp.bfloat16)
-            d = w - lax.broadcast_in_dim(z, w.shape, (0,))
-            d = jnp.where(w < 0, d + 16, d)       # the uint4 value back (see as_int4)
-            w = d * lax.broadcast_in_dim(s, w.shape, (0,))
+            w = (w - lax.broadcast_in_dim(z, w.shape, (0,))) * lax.broadcast_in_dim(
+                s, w.shape, (0,))
             xt = plgpu.transpose_ref(x_smem, (1, 0))                     # x^T [G, Mp]
             if a_smem:
                 a_smem[0][...] = w
