@@ -19,7 +19,9 @@ acc[TN, Mp] += W[TN, G] @ x^T[G, Mp] per step, with W = (q - z) * s: the integer
 difference is exact in bf16, the scale rounded to bf16 (vLLM's Marlin kernels also
 take a bf16 model's scales in bf16). The weight is the MMA's M dimension (x's few
 rows would not fill it). With S > 1 each split writes f32 partials [S, N, Mp] and
-XLA sums them (inside a model the sum fuses into the consumer).
+XLA sums them (a reduce kernel of its own after each projection, compiled for the
+H200; the Triton kernel's sums fuse into their consumers). x is padded to Mp rows
+(a kernel of its own below 16 rows; the engine's decode buckets start at 16).
 """
 from __future__ import annotations
 
@@ -62,17 +64,31 @@ def ref_w4a16_matmul(x, q, scale, zero, *, out_dtype=None, **settings):
 def default_k_splits(n: int, k: int, tile_n: int) -> int:
     """Splits of K so the programs cover the SMs about twice (several programs an SM
     keep more weight bytes in flight): the fewest that do among those leaving each
-    split a multiple of 4 groups (the scale slab's rows are copied in 16-byte units)."""
+    split a multiple of 4 groups (the scale slab's rows are copied in 16-byte units)
+    and at most 256 (TMA's largest box), else the most such splits; 0 if none."""
     groups, tiles = k // GROUP, n // tile_n
-    fits = [s for s in range(1, groups + 1) if groups % s == 0 and (groups // s) % 4 == 0]
+    fits = [s for s in range(1, groups + 1)
+            if groups % s == 0 and (groups // s) % 4 == 0 and groups // s <= 256]
     if not fits:
         return 0
     enough = [s for s in fits if tiles * s >= 2 * common.num_sms()]
     return enough[0] if enough else fits[-1]
 
 
-def supported(n: int, k: int, tile_n: int = 128) -> bool:
-    return n % tile_n == 0 and k % GROUP == 0 and default_k_splits(n, k, tile_n) > 0
+def smem_bytes(tile_n: int, mp: int, per: int, stages: int) -> int:
+    """A program's shared memory: the pipeline's weight and x tiles, the two scale
+    slabs, the output tile."""
+    return stages * (tile_n * GROUP // 2 + mp * GROUP * 2) + 2 * tile_n * per * 4 \
+        + tile_n * mp * 4
+
+
+def supported(n: int, k: int, tile_n: int = 128, stages: int = 4) -> bool:
+    """Shapes the kernel takes at every M up to MAX_M with the default splits."""
+    if n % tile_n or k % GROUP:
+        return False
+    splits = default_k_splits(n, k, tile_n)
+    return splits > 0 and smem_bytes(tile_n, MAX_M, k // GROUP // splits,
+                                     stages) <= common.SMEM_BYTES
 
 
 def w4a16_matmul(x, q, scale, zero, *, out_dtype=None, tile_n=128, k_splits=None, stages=4,
@@ -89,10 +105,13 @@ def w4a16_matmul(x, q, scale, zero, *, out_dtype=None, tile_n=128, k_splits=None
         raise ValueError(f"M {m} > {MAX_M} or N {n} not a multiple of {tile_n}")
     splits = k_splits or default_k_splits(n, k, tile_n)
     groups = k // GROUP
-    if not splits or groups % splits or (groups // splits) % 4:
+    if not splits or groups % splits or (groups // splits) % 4 or groups // splits > 256:
         raise ValueError(f"k_splits {splits}: must divide K's {groups} groups into "
-                         "multiples of 4")
+                         "multiples of 4, at most 256")
     mp = max(16, 1 << (m - 1).bit_length())
+    if smem_bytes(tile_n, mp, groups // splits, stages) > common.SMEM_BYTES:
+        raise ValueError(f"tile_n {tile_n}, {stages} stages, {groups // splits} groups a "
+                         "split: over the shared memory of a program")
     xp = jnp.pad(x.astype(jnp.bfloat16), ((0, mp - m), (0, 0)))            # [Mp, K]
     out = _call(xp, q, scale.astype(jnp.float32), zero.astype(jnp.float32), n=n, mp=mp,
                 tile_n=tile_n, splits=splits, per=groups // splits, stages=stages,

@@ -4,8 +4,6 @@ the twin, and its lowering for CUDA (Mosaic's layout inference runs there, on th
 CPU)."""
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -94,6 +92,11 @@ def test_default_splits_cover_the_sms_in_whole_slabs():
         assert (k // G) % s == 0 and (k // G // s) % 4 == 0
         assert n // 128 * s >= 264 or (k // G // s) == 4, (n, k, s)
     assert not w4.supported(4096, 128 * 6)      # 6 groups: no split of whole 4-group slabs
+    # one split of 128 groups with 64 rows: the slabs push a program past shared memory
+    assert not w4.supported(128 * 1024, 128 * 128)
+    with pytest.raises(ValueError, match="shared memory"):
+        wu8, s, z = _checkpoint(128, 128 * 128)
+        w4.w4a16_matmul(_x(64, 128 * 128), w4.as_int4(wu8), s, z, k_splits=1, stages=8)
 
 
 SD = jax.ShapeDtypeStruct
@@ -107,4 +110,4 @@ def test_lowers_for_cuda(m, n, k):
     lowering run here, so a kernel the GPU cannot lower fails CI."""
     args = (SD((m, k), jnp.bfloat16), SD((n, k), jnp.int4), SD((n, k // G), jnp.float32),
             SD((n, k // G), jnp.float32))
-    assert "mosaic_gpu" in lower_for_cuda(functools.partial(w4.w4a16_matmul), *args)
+    assert "mosaic_gpu" in lower_for_cuda(w4.w4a16_matmul, *args)

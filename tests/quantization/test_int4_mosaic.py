@@ -18,15 +18,18 @@ G128 = LinearScheme("uint4", group=128)
 def test_mosaic_only_where_it_applies(monkeypatch):
     monkeypatch.setattr(linear, "is_hopper", lambda: True)
     monkeypatch.setenv("JAXLLM_INT4_MOSAIC", "1")
-    assert linear.use_mosaic_int4(G128, 4096, 4096)
-    assert not linear.use_mosaic_int4(LinearScheme("uint4", group=64), 4096, 4096)
-    assert not linear.use_mosaic_int4(G128, 4096 + 64, 4096)     # N off the 128 tiles
-    assert not linear.use_mosaic_int4(G128, 4096, 128 * 6)       # 6 groups: no 4-group slabs
+    bf16 = jnp.bfloat16
+    assert linear.use_mosaic_int4(G128, 4096, 4096, bf16)
+    assert not linear.use_mosaic_int4(LinearScheme("uint4", group=64), 4096, 4096, bf16)
+    assert not linear.use_mosaic_int4(G128, 4096 + 64, 4096, bf16)   # N off the 128 tiles
+    assert not linear.use_mosaic_int4(G128, 4096, 128 * 6, bf16)     # no 4-group slabs
+    # its arithmetic is bf16: an f16 model keeps the Triton kernel, which computes in f16
+    assert not linear.use_mosaic_int4(G128, 4096, 4096, jnp.float16)
     monkeypatch.setenv("JAXLLM_INT4_MOSAIC", "0")
-    assert not linear.use_mosaic_int4(G128, 4096, 4096)
+    assert not linear.use_mosaic_int4(G128, 4096, 4096, bf16)
     monkeypatch.setenv("JAXLLM_INT4_MOSAIC", "1")
     monkeypatch.setattr(linear, "is_hopper", lambda: False)
-    assert not linear.use_mosaic_int4(G128, 4096, 4096)
+    assert not linear.use_mosaic_int4(G128, 4096, 4096, bf16)
 
 
 @pytest.mark.parametrize("switch,kernel", [("1", "mosaic_gpu"), ("0", "quant_matmul_int4")])
@@ -63,7 +66,7 @@ def test_layer_through_mosaic_matches_xla_dequant(monkeypatch, in_shape, out_sha
     zero = jnp.asarray(rng.integers(0, 16, out_shape + (k // 128,)), jnp.float32)
     x = jnp.asarray(rng.standard_normal((6,) + in_shape), jnp.bfloat16)
     nk = len(in_shape)
-    assert linear.use_mosaic_int4(G128, int(np.prod(out_shape)), k)
+    assert linear.use_mosaic_int4(G128, int(np.prod(out_shape)), k, x.dtype)
     got = linear.int4_kernel_matmul(x, packed, scale, zero, G128, nk, interpret=True)
     want = linear.grouped_dequant_matmul(x, packed, scale, zero, None, G128, nk)
     assert got.shape == want.shape == (6,) + out_shape

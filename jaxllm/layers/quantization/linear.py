@@ -154,9 +154,8 @@ def block_matmul(x, wq, w_scale, scheme: LinearScheme, nk: int):
 
 
 def grouped_dequant_matmul(x, wq, scale, zero, g_idx, scheme: LinearScheme, nk: int):
-    """Weight-only uint4 / uint8 through XLA (decode-sized uint4 steps on one GPU run
-    int4_kernel_matmul instead): the weight dequantized as (q - zero) * scale per group,
-    the matmul in x's dtype with f32 accumulation."""
+    """Weight-only uint4 / uint8 through XLA (int4_kernel_matmul at decode sizes on one
+    GPU): (q - zero) * scale per group, the matmul in x's dtype, f32 sums."""
     t = x.shape[0]
     xf = x.reshape(t, -1)
     k = xf.shape[1]
@@ -196,10 +195,9 @@ def _unsharded(tp: int | None) -> bool:
 
 
 # Tokens up to which a block-scaled fp8 layer runs the Pallas kernel with group scales
-# (quant_matmul) on one GPU. 0 (off) until measured: block_matmul's path writes the
-# dequantized bf16 weight out every step (Qwen3-8B block FP8 decodes at 0.35x bf16's
-# speed on the H200), and the kernel has not yet run on a GPU
-# (scripts/bench_quant_matmul.py --kinds block_fp8,pallas_block_fp8 is the measurement).
+# (quant_matmul) on one GPU. 0 (off) until measured (bench_quant_matmul.py --kinds
+# block_fp8,pallas_block_fp8): block_matmul's path writes the dequantized bf16 weight
+# out every step (Qwen3-8B block FP8 decodes at 0.35x bf16's speed on the H200).
 BLOCK_FP8_KERNEL_ROWS = 0
 
 
@@ -221,12 +219,14 @@ def block_kernel_matmul(x, wq, w_scale, nk: int, interpret: bool = False):
     return y.reshape(t, *out)
 
 
-def use_mosaic_int4(scheme: LinearScheme, n: int, k: int) -> bool:
-    """The Mosaic GPU kernel (w4a16_mgpu.py): groups of 128, shapes it tiles, a
-    Hopper GPU, JAXLLM_INT4_MOSAIC=1."""
+def use_mosaic_int4(scheme: LinearScheme, n: int, k: int, x_dtype) -> bool:
+    """The Mosaic GPU kernel (w4a16_mgpu.py, bf16 arithmetic): JAXLLM_INT4_MOSAIC=1,
+    groups of 128, a bf16 input, shapes it tiles, a Hopper GPU."""
+    if not (env_switch("JAXLLM_INT4_MOSAIC", False) and scheme.group == 128
+            and jnp.dtype(x_dtype) == jnp.bfloat16):
+        return False
     from pallas_kernels import w4a16_mgpu
-    return (env_switch("JAXLLM_INT4_MOSAIC", False) and scheme.group == 128
-            and w4a16_mgpu.supported(n, k) and is_hopper())
+    return w4a16_mgpu.supported(n, k) and is_hopper()
 
 
 def int4_kernel_matmul(x, wq, scale, zero, scheme: LinearScheme, nk: int,
@@ -241,7 +241,7 @@ def int4_kernel_matmul(x, wq, scale, zero, scheme: LinearScheme, nk: int,
     out = wq.shape[:wq.ndim - nk]
     n = math.prod(out)
     wq, scale, zero = wq.reshape(n, -1), scale.reshape(n, -1), zero.reshape(n, -1)
-    if use_mosaic_int4(scheme, n, xf.shape[1]):
+    if use_mosaic_int4(scheme, n, xf.shape[1], x.dtype):
         from pallas_kernels.w4a16_mgpu import as_int4, w4a16_matmul   # Mosaic GPU, lazily
         y = w4a16_matmul(xf, as_int4(wq), scale, zero, out_dtype=x.dtype, interpret=interpret)
     else:
