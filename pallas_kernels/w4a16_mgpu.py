@@ -198,5 +198,6 @@ def _call(xp, q, scale, zero, *, n, mp, tile_n, splits, per, stages, interpret):
 
 
 def _interpret_params():
+    # jax 0.10 exports no public name for the GPU interpreter's parameters
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
     return InterpretGPUParams()
