@@ -102,7 +102,7 @@ def signature(tree) -> str:
 
 # JAXLLM_* switches read while tracing that no key part records otherwise (the
 # attention spec's and the quantization config's switches are in their reprs).
-TRACE_SWITCHES = ("JAXLLM_INT8_ROTATE_KERNEL",)
+TRACE_SWITCHES = ("JAXLLM_INT8_ROTATE_KERNEL", "JAXLLM_INT4_MOSAIC")
 
 
 def environment(mesh) -> list[str]:

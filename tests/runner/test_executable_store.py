@@ -149,9 +149,10 @@ def test_what_changes_the_program_changes_the_key(first, monkeypatch):
     changed = [warm_up_keys(folder, cache, max_num_seqs=2),
                warm_up_keys(folder, cache, block_size=8),
                warm_up_keys(folder, cache, kv_cache_dtype="fp8")]
-    monkeypatch.setenv("JAXLLM_INT8_ROTATE_KERNEL", "0")      # a switch read while tracing
-    changed.append(warm_up_keys(folder, cache))
-    monkeypatch.delenv("JAXLLM_INT8_ROTATE_KERNEL")
+    for switch, value in (("JAXLLM_INT8_ROTATE_KERNEL", "0"), ("JAXLLM_INT4_MOSAIC", "1")):
+        monkeypatch.setenv(switch, value)                   # switches read while tracing
+        changed.append(warm_up_keys(folder, cache))
+        monkeypatch.delenv(switch)
     monkeypatch.setattr(executable_store, "source_hash", lambda: "edited")
     changed.append(warm_up_keys(folder, cache))
     for keys in changed:
