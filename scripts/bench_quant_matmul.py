@@ -18,7 +18,8 @@ W8A8 layer path with the kernel in place of XLA's dot (pallas_fp8, pallas_int8),
 W4A16 with groups of 128 through XLA (xla_w4: grouped_dequant_matmul; xla_u4: the
 weight typed uint4, which XLA's Triton GEMMs read packed), the Triton kernel
 (pallas_w4) and the Mosaic GPU kernel on the same bytes (mgpu_w4:
-pallas_kernels/w4a16_mgpu.py, Hopper only).
+pallas_kernels/w4a16_mgpu.py, Hopper only; its error is against the checkpoint's f32
+reference, so it includes the kernel's bf16 scales, ~3e-3).
 Rows then also print the weight's GB/s (weight and scales over the run time), and the
 Pallas rows the kernel's largest error against its plain-jnp reference
 on the same inputs (relative to the largest output), so the kernels' first runs on a
