@@ -67,12 +67,15 @@ def default_k_splits(n: int, k: int, tile_n: int) -> int:
     split a multiple of 4 groups (the scale slab's rows are copied in 16-byte units)
     and at most 256 (TMA's largest box), else the most such splits; 0 if none."""
     groups, tiles = k // GROUP, n // tile_n
-    fits = [s for s in range(1, groups + 1)
-            if groups % s == 0 and (groups // s) % 4 == 0 and groups // s <= 256]
+    fits = [s for s in range(1, groups + 1) if _split_fits(groups, s)]
     if not fits:
         return 0
     enough = [s for s in fits if tiles * s >= 2 * common.num_sms()]
     return enough[0] if enough else fits[-1]
+
+
+def _split_fits(groups: int, splits: int) -> bool:
+    return groups % splits == 0 and (groups // splits) % 4 == 0 and groups // splits <= 256
 
 
 def smem_bytes(tile_n: int, mp: int, per: int, stages: int) -> int:
@@ -105,10 +108,10 @@ def w4a16_matmul(x, q, scale, zero, *, out_dtype=None, tile_n=128, k_splits=None
         raise ValueError(f"M {m} > {MAX_M} or N {n} not a multiple of {tile_n}")
     splits = k_splits or default_k_splits(n, k, tile_n)
     groups = k // GROUP
-    if not splits or groups % splits or (groups // splits) % 4 or groups // splits > 256:
+    if not splits or not _split_fits(groups, splits):
         raise ValueError(f"k_splits {splits}: must divide K's {groups} groups into "
                          "multiples of 4, at most 256")
-    mp = max(16, 1 << (m - 1).bit_length())
+    mp = max(16, common.next_pow2(m))
     if smem_bytes(tile_n, mp, groups // splits, stages) > common.SMEM_BYTES:
         raise ValueError(f"tile_n {tile_n}, {stages} stages, {groups // splits} groups a "
                          "split: over the shared memory of a program")
