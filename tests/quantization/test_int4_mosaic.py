@@ -30,6 +30,9 @@ def test_mosaic_only_where_it_applies(monkeypatch):
     monkeypatch.setenv("JAXLLM_INT4_MOSAIC", "1")
     monkeypatch.setattr(linear, "is_hopper", lambda: False)
     assert not linear.use_mosaic_int4(G128, 4096, 4096, bf16)
+    monkeypatch.setenv("JAXLLM_INT4_MOSAIC", "yes")
+    with pytest.raises(ValueError, match="JAXLLM_INT4_MOSAIC='yes': 0 or 1 expected"):
+        linear.use_mosaic_int4(G128, 4096, 4096, bf16)
 
 
 @pytest.mark.parametrize("switch,kernel", [("1", "mosaic_gpu"), ("0", "quant_matmul_int4")])
