@@ -12,7 +12,8 @@ weight two a byte, the even column in the low nibble, reread as int4 [N, K] by a
 bitcast (``as_int4``: int4's first element is a byte's low nibble), so a value q
 reads as q - 16 where q >= 8 and the kernel flips each nibble's top bit; f32 scale
 and zero point [N, K/G]. A program copies its [TN, P] slab of each once into shared
-memory.
+memory and stores it again transposed, [P, TN], so that a step reads its group's
+scales as one contiguous row.
 
 Grid (N / TN, S). A program owns TN channels and 1/S of K and computes
 acc[TN, Mp] += W[TN, G] @ x^T[G, Mp] per step, with W = (q - z) * s: the integer
@@ -35,6 +36,7 @@ from pallas_kernels import common
 
 GROUP = 128          # the only group size the kernel takes (one group per step)
 MAX_M = 64
+ROWS = tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 11)  # see the kernel
 
 
 def as_int4(w_u8):
@@ -80,8 +82,8 @@ def _split_fits(groups: int, splits: int) -> bool:
 
 def smem_bytes(tile_n: int, mp: int, per: int, stages: int) -> int:
     """A program's shared memory: the pipeline's weight and x tiles, the two scale
-    slabs, the output tile."""
-    return stages * (tile_n * GROUP // 2 + mp * GROUP * 2) + 2 * tile_n * per * 4 \
+    slabs (each twice: as copied and transposed), the output tile."""
+    return stages * (tile_n * GROUP // 2 + mp * GROUP * 2) + 4 * tile_n * per * 4 \
         + tile_n * mp * 4
 
 
@@ -142,14 +144,27 @@ def _call(xp, q, scale, zero, *, n, mp, tile_n, splits, per, stages, interpret):
             return ref[...]
         return plgpu.load(ref, (), layout=layout, optimized=optimized)
 
-    def kernel(q_gmem, x_gmem, s_gmem, z_gmem, out_gmem, out_smem, s_slab, z_slab, bar,
-               *a_smem):
+    def kernel(q_gmem, x_gmem, s_gmem, z_gmem, out_gmem, out_smem, s_slab, z_slab, s_rows,
+               z_rows, bar, *a_smem):
         ni, si = lax.axis_index("n"), lax.axis_index("s")
         rows, cols = pl.ds(ni * tile_n, tile_n), pl.ds(si * per, per)
         plgpu.copy_gmem_to_smem(s_gmem.at[rows, cols], s_slab, bar.at[0])
         plgpu.copy_gmem_to_smem(z_gmem.at[rows, cols], z_slab, bar.at[1])
         plgpu.barrier_wait(bar.at[0])
         plgpu.barrier_wait(bar.at[1])
+        # A step needs one group's column of each slab. jax 0.11's layout inference
+        # refuses that strided view, so there each slab is stored transposed once and a
+        # step reads a contiguous row; jax 0.10 cannot store to the transposed view
+        # (it flattens it) but reads the column.
+        if ROWS:
+            for slab, slab_t in ((s_slab, s_rows), (z_slab, z_rows)):
+                if interpret:
+                    slab_t[...] = slab[...].T
+                else:
+                    v = plgpu.load(slab, (), layout=plgpu.Layout.WG_STRIDED((tile_n, per), 1),
+                                   optimized=False)
+                    plgpu.transpose_ref(slab_t.at[:, :], (1, 0))[...] = v
+            plgpu.commit_smem()
 
         def step(idx, q_smem, x_smem, acc):
             j = idx[0]
@@ -158,8 +173,10 @@ def _call(xp, q, scale, zero, *, n, mp, tile_n, splits, per, stages, interpret):
             w = (load(q_smem, plgpu.Layout.WGMMA_UPCAST_2X) ^ jnp.int4(-8)).astype(jnp.bfloat16)
             if not interpret:
                 w = plgpu.layout_cast(w, plgpu.Layout.WGMMA)
-            z = load(z_slab.at[:, j], row, optimized=False).astype(jnp.bfloat16) - 8
-            s = load(s_slab.at[:, j], row, optimized=False).astype(jnp.bfloat16)
+            zv, sv = (z_rows.at[j], s_rows.at[j]) if ROWS else (z_slab.at[:, j],
+                                                                  s_slab.at[:, j])
+            z = load(zv, row, optimized=False).astype(jnp.bfloat16) - 8
+            s = load(sv, row, optimized=False).astype(jnp.bfloat16)
             w = (w - lax.broadcast_in_dim(z, w.shape, (0,))) * lax.broadcast_in_dim(
                 s, w.shape, (0,))
             xt = plgpu.transpose_ref(x_smem, (1, 0))                     # x^T [G, Mp]
@@ -189,7 +206,8 @@ def _call(xp, q, scale, zero, *, n, mp, tile_n, splits, per, stages, interpret):
         pl.run_scoped(run, plgpu.ACC((tile_n, mp), jnp.float32))
 
     scratch = [plgpu.SMEM((tile_n, mp), jnp.float32), plgpu.SMEM((tile_n, per), jnp.float32),
-               plgpu.SMEM((tile_n, per), jnp.float32), plgpu.Barrier(num_barriers=2)]
+               plgpu.SMEM((tile_n, per), jnp.float32), plgpu.SMEM((per, tile_n), jnp.float32),
+               plgpu.SMEM((per, tile_n), jnp.float32), plgpu.Barrier(num_barriers=2)]
     if interpret:
         scratch += [plgpu.SMEM((tile_n, GROUP), jnp.bfloat16, transforms=a_tr),
                     plgpu.SMEM((GROUP, mp), jnp.bfloat16)]
