@@ -13,6 +13,10 @@ GEMMs run more kernels there than counted here.
     /tmp/aot/bin/python scripts/aot_step.py --quantization fp8 --shape prefill:4:0:1024
     /tmp/aot/bin/python scripts/aot_step.py --quant-matmul w8a16_fp8,w8a16_int8_f16
 
+The GPU machine's jax (0.11) installs here under Python 3.12 only (`PYENV_VERSION=3.12.1
+python -m venv /tmp/j11`, then the same pip line with its version); Mosaic GPU kernels
+lower differently between the two, so compile them with both.
+
 --quant-matmul compiles bench_quant_matmul.py's kinds instead (its gate/up shape at 16
 and 64 rows) and lists their kernels; --sampler ROWS the sampler's greedy, random and
 logprobs variants at the 8B vocabulary (`--sampler 8,256`). With $OUT set, writes each compiled step there
