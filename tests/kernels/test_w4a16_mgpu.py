@@ -72,6 +72,20 @@ def test_kernel_matches_twin_interpret(m, n, k, settings):
                                atol=1e-4 * float(jnp.max(jnp.abs(want))))
 
 
+@pytest.mark.parametrize("rows", [False, True], ids=["column", "rows"])
+def test_both_scale_reads_interpret(monkeypatch, rows):
+    """A step reads its group's scales as the slab's column (jax 0.10) or as a row of
+    the slab stored transposed (jax 0.11, where CI cannot lower it): both give the
+    twin's numbers."""
+    monkeypatch.setattr(w4, "ROWS", rows)
+    wu8, s, z = _checkpoint(128, 1024, seed=7)
+    args = (_x(16, 1024, seed=8), w4.as_int4(wu8), s, z)
+    got = w4.w4a16_matmul(*args, out_dtype=jnp.float32, interpret=True, k_splits=2)
+    want = w4.ref_w4a16_matmul(*args, out_dtype=jnp.float32)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0,
+                               atol=1e-4 * float(jnp.max(jnp.abs(want))))
+
+
 def test_bad_operands_are_refused():
     wu8, s, z = _checkpoint(128, 512)
     q = w4.as_int4(wu8)
