@@ -26,6 +26,8 @@ H200; the Triton kernel's sums fuse into their consumers). x is padded to Mp row
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -96,6 +98,11 @@ def supported(n: int, k: int, tile_n: int = 128, stages: int = 4) -> bool:
                                      stages) <= common.SMEM_BYTES
 
 
+# One jit for every call site: without it each call site's kernel is lowered and
+# compiled on its own (~0.9 s each on the GPU machine, 128 a decode step of an 8B
+# model, so minutes of warm-up), while identical calls through one jit compile once.
+@functools.partial(jax.jit, static_argnames=("out_dtype", "tile_n", "k_splits", "stages",
+                                             "interpret"))
 def w4a16_matmul(x, q, scale, zero, *, out_dtype=None, tile_n=128, k_splits=None, stages=4,
                  interpret=False):
     """Same contract as ``ref_w4a16_matmul``; the rest are kernel settings. M <= 64."""
