@@ -65,16 +65,21 @@ def ref_w4a16_matmul(x, q, scale, zero, *, out_dtype=None, **settings):
     return y.astype(out_dtype or x.dtype)
 
 
-def default_k_splits(n: int, k: int, tile_n: int) -> int:
-    """Splits of K so the programs cover the SMs about twice (several programs an SM
-    keep more weight bytes in flight): the fewest that do among those leaving each
-    split a multiple of 4 groups (the scale slab's rows are copied in 16-byte units)
-    and at most 256 (TMA's largest box), else the most such splits; 0 if none."""
+def default_k_splits(n: int, k: int, tile_n: int, mp: int = MAX_M, stages: int = 4) -> int:
+    """Splits of K so the programs cover the SMs several times (several programs an SM
+    keep more weight bytes in flight): four times at 16 rows, where a program's tiles
+    are small, twice above (more splits there write f32 partials that approach the
+    weight's own bytes). The fewest that do among the splits leaving each a multiple
+    of 4 groups (the scale slab's rows are copied in 16-byte units), at most 256
+    (TMA's largest box) and a program within shared memory at ``mp`` rows, else the
+    most such splits; 0 if none."""
     groups, tiles = k // GROUP, n // tile_n
-    fits = [s for s in range(1, groups + 1) if _split_fits(groups, s)]
+    fits = [s for s in range(1, groups + 1) if _split_fits(groups, s)
+            and smem_bytes(tile_n, mp, groups // s, stages) <= common.SMEM_BYTES]
     if not fits:
         return 0
-    enough = [s for s in fits if tiles * s >= 2 * common.num_sms()]
+    want = (4 if mp <= 16 else 2) * common.num_sms()
+    enough = [s for s in fits if tiles * s >= want]
     return enough[0] if enough else fits[-1]
 
 
@@ -93,9 +98,7 @@ def supported(n: int, k: int, tile_n: int = 128, stages: int = 4) -> bool:
     """Shapes the kernel takes at every M up to MAX_M with the default splits."""
     if n % tile_n or k % GROUP:
         return False
-    splits = default_k_splits(n, k, tile_n)
-    return splits > 0 and smem_bytes(tile_n, MAX_M, k // GROUP // splits,
-                                     stages) <= common.SMEM_BYTES
+    return all(default_k_splits(n, k, tile_n, mp, stages) for mp in (16, 32, MAX_M))
 
 
 # One jit for every call site: without it each call site's kernel is lowered and
@@ -115,12 +118,12 @@ def w4a16_matmul(x, q, scale, zero, *, out_dtype=None, tile_n=128, k_splits=None
                          f"expected (K a multiple of {GROUP})")
     if m > MAX_M or n % tile_n:
         raise ValueError(f"M {m} > {MAX_M} or N {n} not a multiple of {tile_n}")
-    splits = k_splits or default_k_splits(n, k, tile_n)
+    mp = max(16, common.next_pow2(m))
+    splits = k_splits or default_k_splits(n, k, tile_n, mp, stages)
     groups = k // GROUP
     if not splits or not _split_fits(groups, splits):
         raise ValueError(f"k_splits {splits}: must divide K's {groups} groups into "
                          "multiples of 4, at most 256")
-    mp = max(16, common.next_pow2(m))
     if smem_bytes(tile_n, mp, groups // splits, stages) > common.SMEM_BYTES:
         raise ValueError(f"tile_n {tile_n}, {stages} stages, {groups // splits} groups a "
                          "split: over the shared memory of a program")

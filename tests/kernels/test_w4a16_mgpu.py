@@ -120,14 +120,20 @@ def test_bad_operands_are_refused():
 
 
 def test_default_splits_cover_the_sms_in_whole_slabs():
-    """The 8B projections: programs at least twice the 132 SMs, 4 groups a split or more."""
+    """The 8B projections: programs at least four times the 132 SMs at 16 rows and twice
+    above, 4 groups a split or more, a program within shared memory at its rows."""
     for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]:
-        s = w4.default_k_splits(n, k, 128)
-        assert (k // G) % s == 0 and (k // G // s) % 4 == 0
-        assert n // 128 * s >= 264 or (k // G // s) == 4, (n, k, s)
+        for mp, times in ((16, 4), (32, 2), (64, 2)):
+            s = w4.default_k_splits(n, k, 128, mp)
+            assert (k // G) % s == 0 and (k // G // s) % 4 == 0
+            assert n // 128 * s >= times * 132 or (k // G // s) == 4, (n, k, mp, s)
+            assert w4.smem_bytes(128, mp, k // G // s, 4) <= w4.common.SMEM_BYTES
+    # gate/up: 224 tiles, 4 splits at 16 rows (896 programs), 2 above (448)
+    assert [w4.default_k_splits(28672, 4096, 128, mp) for mp in (16, 64)] == [4, 2]
     assert not w4.supported(4096, 128 * 6)      # 6 groups: no split of whole 4-group slabs
-    # one split of 128 groups with 64 rows: the slabs push a program past shared memory
-    assert not w4.supported(128 * 1024, 128 * 128)
+    # 128 groups in one split: the slabs push a program past shared memory, so the
+    # default splits further (the fewest that fit: 2 at 16 rows, 4 at 64)
+    assert [w4.default_k_splits(128 * 1024, 128 * 128, 128, mp) for mp in (16, 64)] == [2, 4]
     with pytest.raises(ValueError, match="shared memory"):
         wu8, s, z = _checkpoint(128, 128 * 128)
         w4.w4a16_matmul(_x(64, 128 * 128), w4.as_int4(wu8), s, z, k_splits=1, stages=8)

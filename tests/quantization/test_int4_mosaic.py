@@ -1,4 +1,5 @@
-"""QuantLinear's uint4 layers through the Mosaic GPU kernel (JAXLLM_INT4_MOSAIC=1):
+"""QuantLinear's uint4 layers through the Mosaic GPU kernel (JAXLLM_INT4_MOSAIC, on
+by default):
 where it applies, what the layer lowers to for a Hopper GPU, and the layer's numbers
 through it (GPU interpret mode) against XLA's dequantize-then-dot."""
 from __future__ import annotations
@@ -17,8 +18,10 @@ G128 = LinearScheme("uint4", group=128)
 
 def test_mosaic_only_where_it_applies(monkeypatch):
     monkeypatch.setattr(linear, "is_hopper", lambda: True)
-    monkeypatch.setenv("JAXLLM_INT4_MOSAIC", "1")
+    monkeypatch.delenv("JAXLLM_INT4_MOSAIC", raising=False)
     bf16 = jnp.bfloat16
+    assert linear.use_mosaic_int4(G128, 4096, 4096, bf16)       # on by default on Hopper
+    monkeypatch.setenv("JAXLLM_INT4_MOSAIC", "1")
     assert linear.use_mosaic_int4(G128, 4096, 4096, bf16)
     assert not linear.use_mosaic_int4(LinearScheme("uint4", group=64), 4096, 4096, bf16)
     assert not linear.use_mosaic_int4(G128, 4096 + 64, 4096, bf16)   # N off the 128 tiles

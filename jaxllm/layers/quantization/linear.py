@@ -220,9 +220,9 @@ def block_kernel_matmul(x, wq, w_scale, nk: int, interpret: bool = False):
 
 
 def use_mosaic_int4(scheme: LinearScheme, n: int, k: int, x_dtype) -> bool:
-    """The Mosaic GPU kernel (w4a16_mgpu.py, bf16 arithmetic): JAXLLM_INT4_MOSAIC=1,
-    groups of 128, a bf16 input, shapes it tiles, a Hopper GPU."""
-    if not (env_switch("JAXLLM_INT4_MOSAIC", False) and scheme.group == 128
+    """The Mosaic GPU kernel (w4a16_mgpu.py, bf16 arithmetic; JAXLLM_INT4_MOSAIC=0 for
+    the Triton one): groups of 128, a bf16 input, shapes it tiles, a Hopper GPU."""
+    if not (env_switch("JAXLLM_INT4_MOSAIC", True) and scheme.group == 128
             and jnp.dtype(x_dtype) == jnp.bfloat16):
         return False
     from pallas_kernels import w4a16_mgpu
