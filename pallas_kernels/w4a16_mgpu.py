@@ -3,7 +3,7 @@
 bf16 in registers with its group's zero point and scale, and multiplied there by
 wgmma (A from registers, B = x's tile from shared memory, read transposed).
 
-Letter legend: M tokens (rows of x), Mp = M padded to a power of two in [16, 64],
+Letter legend: M tokens (rows of x), Mp = M rounded up to a power of two in [16, 64],
 N output channels, K contracted dim, G the group size (= columns per step), TN
 output channels per program, S k-splits, P = K / G / S groups per split.
 
@@ -21,8 +21,8 @@ difference is exact in bf16, the scale rounded to bf16 (vLLM's Marlin kernels al
 take a bf16 model's scales in bf16). The weight is the MMA's M dimension (x's few
 rows would not fill it). With S > 1 each split writes f32 partials [S, N, Mp] and
 XLA sums them (a reduce kernel of its own after each projection, compiled for the
-H200; the Triton kernel's sums fuse into their consumers). x is padded to Mp rows
-(a kernel of its own below 16 rows; the engine's decode buckets start at 16).
+H200; the Triton kernel's sums fuse into their consumers). x stays [M, K]: its
+tiles are [Mp, G] TMA copies, which fill the rows past M with zeros.
 """
 from __future__ import annotations
 
