@@ -217,10 +217,12 @@ def test_int4_kernel_only_where_it_applies(monkeypatch):
                          ids=["kv_proj", "o_proj"])
 def test_int4_layer_lowers_to_the_kernel_at_decode_sizes(monkeypatch, out_shape, in_shape):
     """QuantLinear lowered for CUDA: the Triton kernel up to INT4_KERNEL_ROWS tokens,
-    XLA's dequantize-then-dot above."""
+    XLA's dequantize-then-dot above (the lowering's H200 would take the Mosaic kernel
+    by default: test_int4_mosaic.py)."""
     from flax import nnx
     nnx.use_eager_sharding(False)       # as the models set it (jaxllm/models/llama.py)
     monkeypatch.setattr(linear, "on_gpu", lambda: True)
+    monkeypatch.setenv("JAXLLM_INT4_MOSAIC", "0")
     monkeypatch.setattr(jax, "device_count", lambda: 1)
     layer = linear.QuantLinear(LinearScheme("uint4", group=128), out_shape, in_shape,
                                (None,) * len(out_shape), (None,) * len(in_shape))
