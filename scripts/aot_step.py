@@ -19,7 +19,8 @@ lower differently between the two, so compile them with both.
 
 --quant-matmul compiles bench_quant_matmul.py's kinds instead (its gate/up shape at 16
 and 64 rows) and lists their kernels; --sampler ROWS the sampler's greedy, random and
-logprobs variants at the 8B vocabulary (`--sampler 8,256`). With $OUT set, writes each compiled step there
+logprobs variants at the 8B vocabulary (`--sampler 8,256`). --time prints each step's
+lower and compile seconds. With $OUT set, writes each compiled step there
 (``aot_<tag>-L<layers>.hlo.txt``).
 """
 from __future__ import annotations
@@ -28,6 +29,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")     # compile only: no GPU runtime
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -64,7 +66,13 @@ def compile_cut(args, layers: int, shapes: list) -> dict:
         label, batch, ctx, *q = spec.split(":")
         arrays, decode_only = step_profile.step_arrays(runner, int(batch), int(ctx),
                                                        int(q[0]) if q else 1)
-        text = aot.lower_step(runner, mesh, arrays, decode_only).compile().as_text()
+        t0 = time.perf_counter()
+        lowered = aot.lower_step(runner, mesh, arrays, decode_only)
+        t1 = time.perf_counter()
+        text = lowered.compile().as_text()
+        if args.time:       # the host's cost of a program at warm-up, by stage
+            print(f"{tag(args, spec)}-L{layers}: lower {t1 - t0:.2f} s, compile "
+                  f"{time.perf_counter() - t1:.2f} s", file=sys.stderr)
         if os.environ.get("OUT"):
             with open(os.path.join(os.environ["OUT"], f"aot_{tag(args, spec)}-L{layers}"
                                    ".hlo.txt"), "w") as f:
@@ -139,6 +147,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quantization", default=None, help="e.g. fp8 (online, dummy weights)")
     ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead")
+    ap.add_argument("--time", action="store_true",
+                    help="print each step's lower and compile seconds (stderr)")
     ap.add_argument("--quant-matmul", metavar="KINDS", default=None,
                     help="bench_quant_matmul.py kinds to compile instead of a step")
     ap.add_argument("--sampler", metavar="ROWS", default=None,
