@@ -19,10 +19,11 @@ Grid (N / TN, S). A program owns TN channels and 1/S of K and computes
 acc[TN, Mp] += W[TN, G] @ x^T[G, Mp] per step, with W = (q - z) * s: the integer
 difference is exact in bf16, the scale rounded to bf16 (vLLM's Marlin kernels also
 take a bf16 model's scales in bf16). The weight is the MMA's M dimension (x's few
-rows would not fill it). With S > 1 each split writes f32 partials [S, N, Mp] and
-XLA sums them (a reduce kernel of its own after each projection, compiled for the
-H200; the Triton kernel's sums fuse into their consumers). x stays [M, K]: its
-tiles are [Mp, G] TMA copies, which fill the rows past M with zeros.
+rows would not fill it). Each split writes f32 partials, [S, N, Mp] (their sum a
+reduce kernel of its own after each projection, compiled for the H200) or with
+`out_rows` [S, Mp, N] (the sum fused into the consumer, as the Triton kernel's),
+and XLA sums them. x stays [M, K]: its tiles are [Mp, G] TMA copies, which fill the
+rows past M with zeros.
 """
 from __future__ import annotations
 
@@ -38,7 +39,13 @@ from pallas_kernels import common
 
 GROUP = 128          # the only group size the kernel takes (one group per step)
 MAX_M = 64
-ROWS = jax.__version_info__ >= (0, 11)    # how a step reads its scales: see the kernel
+# jax >= 0.11 stores registers into transposed shared-memory views (0.10 flattens the
+# view): there a step reads its scales as a row (see the kernel).
+ROWS = jax.__version_info__ >= (0, 11)
+# The partials written [S, Mp, N] (`out_rows`; jax >= 0.11 on a GPU): XLA then fuses
+# their sum into the consumer, 3 kernels a layer fewer. Off by default until its
+# numbers are checked on a GPU (interpret mode checks them here).
+OUT_ROWS = False
 
 
 def as_int4(w_u8):
@@ -88,10 +95,11 @@ def _split_fits(groups: int, splits: int) -> bool:
 
 
 def smem_bytes(tile_n: int, mp: int, per: int, stages: int) -> int:
-    """A program's shared memory: the pipeline's weight and x tiles, the two scale
-    slabs (each twice: as copied and transposed), the output tile."""
-    return stages * (tile_n * GROUP // 2 + mp * GROUP * 2) + 4 * tile_n * per * 4 \
-        + tile_n * mp * 4
+    """A program's shared memory: the two scale slabs (each twice: as copied and
+    transposed), then either the pipeline's weight and x tiles or, in their place once
+    the pipeline is done, the output tile."""
+    pipeline = stages * (tile_n * GROUP // 2 + mp * GROUP * 2)
+    return 4 * tile_n * per * 4 + max(pipeline, tile_n * mp * 4)
 
 
 def supported(n: int, k: int, tile_n: int = 128, stages: int = 4) -> bool:
@@ -105,10 +113,11 @@ def supported(n: int, k: int, tile_n: int = 128, stages: int = 4) -> bool:
 # compiled on its own (~0.9 s each on the GPU machine, 128 a decode step of an 8B
 # model, so minutes of warm-up), while identical calls through one jit compile once.
 @functools.partial(jax.jit, static_argnames=("out_dtype", "tile_n", "k_splits", "stages",
-                                             "interpret"))
+                                             "out_rows", "interpret"))
 def w4a16_matmul(x, q, scale, zero, *, out_dtype=None, tile_n=128, k_splits=None, stages=4,
-                 interpret=False):
-    """Same contract as ``ref_w4a16_matmul``; the rest are kernel settings. M <= 64."""
+                 out_rows=None, interpret=False):
+    """Same contract as ``ref_w4a16_matmul``; the rest are kernel settings (`out_rows`:
+    the partials' layout, OUT_ROWS's by default). M <= 64."""
     m, k = x.shape
     n = q.shape[0]
     if q.shape != (n, k) or jnp.dtype(q.dtype) != jnp.int4:
@@ -119,6 +128,7 @@ def w4a16_matmul(x, q, scale, zero, *, out_dtype=None, tile_n=128, k_splits=None
     if m > MAX_M or n % tile_n:
         raise ValueError(f"M {m} > {MAX_M} or N {n} not a multiple of {tile_n}")
     mp = max(16, common.next_pow2(m))
+    out_rows = OUT_ROWS and ROWS if out_rows is None else out_rows
     splits = k_splits or default_k_splits(n, k, tile_n, mp, stages)
     groups = k // GROUP
     if not splits or not _split_fits(groups, splits):
@@ -132,8 +142,9 @@ def w4a16_matmul(x, q, scale, zero, *, out_dtype=None, tile_n=128, k_splits=None
     # interpreter with NaNs, so its runs also show that no row leaks into another.
     out = _call(x.astype(jnp.bfloat16), q, scale.astype(jnp.float32),
                 zero.astype(jnp.float32), n=n, mp=mp, tile_n=tile_n, splits=splits,
-                per=groups // splits, stages=stages, interpret=interpret)
-    return out.sum(0)[:, :m].T.astype(out_dtype or x.dtype)
+                per=groups // splits, stages=stages, out_rows=out_rows, interpret=interpret)
+    y = out.sum(0)[:m] if out_rows else out.sum(0)[:, :m].T
+    return y.astype(out_dtype or x.dtype)
 
 
 def _transforms(minor_bits: int, elem_bits: int, what: str):
@@ -142,7 +153,7 @@ def _transforms(minor_bits: int, elem_bits: int, what: str):
             plgpu.SwizzleTransform(swizzle))
 
 
-def _call(x, q, scale, zero, *, n, mp, tile_n, splits, per, stages, interpret):
+def _call(x, q, scale, zero, *, n, mp, tile_n, splits, per, stages, out_rows, interpret):
     q_tr = _transforms(GROUP * 4, 4, "weight")
     x_tr = _transforms(GROUP * 16, 16, "x")
     row = plgpu.Layout.WGMMA.reduce(1)
@@ -156,8 +167,8 @@ def _call(x, q, scale, zero, *, n, mp, tile_n, splits, per, stages, interpret):
             return ref[...]
         return plgpu.load(ref, (), layout=layout, optimized=optimized)
 
-    def kernel(q_gmem, x_gmem, s_gmem, z_gmem, out_gmem, out_smem, s_slab, z_slab, s_rows,
-               z_rows, bar, *a_smem):
+    def kernel(q_gmem, x_gmem, s_gmem, z_gmem, out_gmem, s_slab, z_slab, s_rows, z_rows, bar,
+               *a_smem):
         ni, si = lax.axis_index("n"), lax.axis_index("s")
         rows, cols = pl.ds(ni * tile_n, tile_n), pl.ds(si * per, per)
         plgpu.copy_gmem_to_smem(s_gmem.at[rows, cols], s_slab, bar.at[0])
@@ -210,21 +221,39 @@ def _call(x, q, scale, zero, *, n, mp, tile_n, splits, per, stages, interpret):
                                     transforms=q_tr),
                     plgpu.BlockSpec((mp, GROUP), lambda j: (0, first + j), transforms=x_tr),
                 ])(q_gmem, x_gmem)
-            out_smem[...] = acc[...]
+            # The partials leave through a shared-memory tile allocated after the
+            # pipeline's buffers are freed (so in their place). With out_rows they are
+            # written [S, Mp, N] (the tile stored transposed, from registers relaid out
+            # as WGMMA_TRANSPOSED), whose sum over S XLA fuses into the consumer; as
+            # [S, N, Mp] the sum is a reduce kernel of its own before a transpose.
+            pl.run_scoped(functools.partial(epilogue, acc),
+                          plgpu.SMEM((mp, tile_n) if out_rows else (tile_n, mp), jnp.float32))
+
+        def epilogue(acc, tile):
+            cols = pl.ds(ni * tile_n, tile_n)
+            if not out_rows:
+                tile[...] = acc[...]
+            elif interpret:
+                tile[...] = acc[...].T
+            else:
+                v = plgpu.layout_cast(acc[...], plgpu.Layout.WGMMA_TRANSPOSED)
+                plgpu.transpose_ref(tile.at[:, :], (1, 0))[...] = v
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[si, pl.ds(ni * tile_n, tile_n)])
+            plgpu.copy_smem_to_gmem(tile, out_gmem.at[si, :, cols] if out_rows
+                                    else out_gmem.at[si, cols])
             plgpu.wait_smem_to_gmem(0)
 
         pl.run_scoped(run, plgpu.ACC((tile_n, mp), jnp.float32))
 
-    scratch = [plgpu.SMEM((tile_n, mp), jnp.float32), plgpu.SMEM((tile_n, per), jnp.float32),
-               plgpu.SMEM((tile_n, per), jnp.float32), plgpu.SMEM((per, tile_n), jnp.float32),
-               plgpu.SMEM((per, tile_n), jnp.float32), plgpu.Barrier(num_barriers=2)]
+    scratch = [plgpu.SMEM((tile_n, per), jnp.float32), plgpu.SMEM((tile_n, per), jnp.float32),
+               plgpu.SMEM((per, tile_n), jnp.float32), plgpu.SMEM((per, tile_n), jnp.float32),
+               plgpu.Barrier(num_barriers=2)]
     if interpret:
         scratch += [plgpu.SMEM((tile_n, GROUP), jnp.bfloat16, transforms=a_tr),
                     plgpu.SMEM((GROUP, mp), jnp.bfloat16)]
     f = plgpu.kernel(
-        kernel, out_type=jax.ShapeDtypeStruct((splits, n, mp), jnp.float32),
+        kernel, out_type=jax.ShapeDtypeStruct((splits, mp, n) if out_rows else (splits, n, mp),
+                                              jnp.float32),
         grid=(n // tile_n, splits), grid_names=("n", "s"), scratch_types=scratch,
         interpret=_interpret_params() if interpret else None)
     return f(q, x, scale, zero)
