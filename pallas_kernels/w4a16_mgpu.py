@@ -113,11 +113,12 @@ def supported(n: int, k: int, tile_n: int = 128, stages: int = 4) -> bool:
 # compiled on its own (~0.9 s each on the GPU machine, 128 a decode step of an 8B
 # model, so minutes of warm-up), while identical calls through one jit compile once.
 @functools.partial(jax.jit, static_argnames=("out_dtype", "tile_n", "k_splits", "stages",
-                                             "out_rows", "interpret"))
+                                             "out_rows", "early_scales", "interpret"))
 def w4a16_matmul(x, q, scale, zero, *, out_dtype=None, tile_n=128, k_splits=None, stages=4,
-                 out_rows=None, interpret=False):
+                 out_rows=None, early_scales=False, interpret=False):
     """Same contract as ``ref_w4a16_matmul``; the rest are kernel settings (`out_rows`:
-    the partials' layout, OUT_ROWS's by default). M <= 64."""
+    the partials' layout, OUT_ROWS's by default; `early_scales`: see the kernel).
+    M <= 64."""
     m, k = x.shape
     n = q.shape[0]
     if q.shape != (n, k) or jnp.dtype(q.dtype) != jnp.int4:
@@ -142,7 +143,8 @@ def w4a16_matmul(x, q, scale, zero, *, out_dtype=None, tile_n=128, k_splits=None
     # interpreter with NaNs, so its runs also show that no row leaks into another.
     out = _call(x.astype(jnp.bfloat16), q, scale.astype(jnp.float32),
                 zero.astype(jnp.float32), n=n, mp=mp, tile_n=tile_n, splits=splits,
-                per=groups // splits, stages=stages, out_rows=out_rows, interpret=interpret)
+                per=groups // splits, stages=stages, out_rows=out_rows,
+                early_scales=early_scales, interpret=interpret)
     y = out.sum(0)[:m] if out_rows else out.sum(0)[:, :m].T
     return y.astype(out_dtype or x.dtype)
 
@@ -153,7 +155,8 @@ def _transforms(minor_bits: int, elem_bits: int, what: str):
             plgpu.SwizzleTransform(swizzle))
 
 
-def _call(x, q, scale, zero, *, n, mp, tile_n, splits, per, stages, out_rows, interpret):
+def _call(x, q, scale, zero, *, n, mp, tile_n, splits, per, stages, out_rows, early_scales,
+          interpret):
     q_tr = _transforms(GROUP * 4, 4, "weight")
     x_tr = _transforms(GROUP * 16, 16, "x")
     row = plgpu.Layout.WGMMA.reduce(1)
@@ -173,24 +176,33 @@ def _call(x, q, scale, zero, *, n, mp, tile_n, splits, per, stages, out_rows, in
         rows, cols = pl.ds(ni * tile_n, tile_n), pl.ds(si * per, per)
         plgpu.copy_gmem_to_smem(s_gmem.at[rows, cols], s_slab, bar.at[0])
         plgpu.copy_gmem_to_smem(z_gmem.at[rows, cols], z_slab, bar.at[1])
-        plgpu.barrier_wait(bar.at[0])
-        plgpu.barrier_wait(bar.at[1])
-        # A step needs one group's column of each slab. jax 0.11's layout inference
-        # refuses that strided view, so there each slab is stored transposed once and a
-        # step reads a contiguous row; jax 0.10 cannot store to the transposed view
-        # (it flattens it) but reads the column.
-        if ROWS:
-            for slab, slab_t in ((s_slab, s_rows), (z_slab, z_rows)):
-                if interpret:
-                    slab_t[...] = slab[...].T
-                else:
-                    v = plgpu.load(slab, (), layout=plgpu.Layout.WG_STRIDED((tile_n, per), 1),
-                                   optimized=False)
-                    plgpu.transpose_ref(slab_t.at[:, :], (1, 0))[...] = v
-            plgpu.commit_smem()
+
+        def scales_ready():
+            plgpu.barrier_wait(bar.at[0])
+            plgpu.barrier_wait(bar.at[1])
+            # A step needs one group's column of each slab. jax 0.11's layout inference
+            # refuses that strided view, so there each slab is stored transposed once and
+            # a step reads a contiguous row; jax 0.10 cannot store to the transposed view
+            # (it flattens it) but reads the column.
+            if ROWS:
+                for slab, slab_t in ((s_slab, s_rows), (z_slab, z_rows)):
+                    if interpret:
+                        slab_t[...] = slab[...].T
+                    else:
+                        v = plgpu.load(slab, (), optimized=False,
+                                       layout=plgpu.Layout.WG_STRIDED((tile_n, per), 1))
+                        plgpu.transpose_ref(slab_t.at[:, :], (1, 0))[...] = v
+                plgpu.commit_smem()
+
+        # early_scales: the wait moves into the first step, after the pipeline has
+        # issued its first weight copies, so the two loads' latencies overlap.
+        if not early_scales:
+            scales_ready()
 
         def step(idx, q_smem, x_smem, acc):
             j = idx[0]
+            if early_scales:
+                pl.when(j == 0)(scales_ready)
             # Flipping each nibble's top bit turns the reread q - 16 [q >= 8] into q - 8
             # (one xor a register); the zero point takes the 8: q - z = (q - 8) - (z - 8).
             w = (load(q_smem, plgpu.Layout.WGMMA_UPCAST_2X) ^ jnp.int4(-8)).astype(jnp.bfloat16)

@@ -62,6 +62,8 @@ def test_twin_matches_the_checkpoint_reference():
     (16, 128, 1024, dict(k_splits=2, tile_n=64)),
     (33, 64, 512, dict(tile_n=64, stages=2)),
     (64, 128, 1536, dict(k_splits=3)),
+    (5, 256, 1024, dict(k_splits=2, early_scales=True)),
+    (16, 128, 2048, dict(k_splits=4, early_scales=True, out_rows=True)),
 ], ids=str)
 def test_kernel_matches_twin_interpret(m, n, k, settings):
     wu8, s, z = _checkpoint(n, k, seed=m)
@@ -78,15 +80,18 @@ def test_kernel_matches_twin_interpret(m, n, k, settings):
 def test_both_scale_reads_interpret(monkeypatch, rows):
     """A step reads its group's scales as the slab's column (jax 0.10) or as a row of
     the slab stored transposed (jax 0.11, where CI cannot lower it): both give the
-    twin's numbers."""
+    twin's numbers, with the scales made ready before the pipeline or in its first
+    step (early_scales)."""
     monkeypatch.setattr(w4, "ROWS", rows)
     w4.w4a16_matmul.clear_cache()       # else the other case's trace serves this one
     wu8, s, z = _checkpoint(128, 1024, seed=7)
     args = (_x(16, 1024, seed=8), w4.as_int4(wu8), s, z)
-    got = w4.w4a16_matmul(*args, out_dtype=jnp.float32, interpret=True, k_splits=2)
     want = w4.ref_w4a16_matmul(*args, out_dtype=jnp.float32)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0,
-                               atol=1e-4 * float(jnp.max(jnp.abs(want))))
+    for early in (False, True):
+        got = w4.w4a16_matmul(*args, out_dtype=jnp.float32, interpret=True, k_splits=2,
+                              early_scales=early)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0,
+                                   atol=1e-4 * float(jnp.max(jnp.abs(want))))
 
 
 @pytest.mark.parametrize("m,splits", [(3, 2), (16, 4), (40, 1)])
@@ -171,6 +176,8 @@ def test_lowers_for_cuda(m, n, k):
     assert "mosaic_gpu" in text
     # x goes to the kernel as it is, its tiles read past M (TMA fills zeros): no pad
     assert "stablehlo.pad" not in text
-    if w4.ROWS:         # the transposed output tile needs jax >= 0.11's transposed stores
-        text = lower_for_cuda(functools.partial(w4.w4a16_matmul, out_rows=True), *args)
-        assert "mosaic_gpu" in text and "stablehlo.transpose" not in text
+    # the first step waiting for the scales; on jax >= 0.11 the partials [S, Mp, N] too
+    # (their tile stored transposed), which leaves no transpose to XLA
+    kw = dict(early_scales=True, out_rows=w4.ROWS)
+    text = lower_for_cuda(functools.partial(w4.w4a16_matmul, **kw), *args)
+    assert "mosaic_gpu" in text and ("stablehlo.transpose" in text) != w4.ROWS
