@@ -97,9 +97,10 @@ def _split_fits(groups: int, splits: int) -> bool:
 def smem_bytes(tile_n: int, mp: int, per: int, stages: int) -> int:
     """A program's shared memory: the two scale slabs (each twice: as copied and
     transposed), then either the pipeline's weight and x tiles or, in their place once
-    the pipeline is done, the output tile."""
+    the pipeline is done, the output tile, and 48 bytes of barriers (the kernel's
+    dynamic shared memory as Mosaic sizes it, seen in its dumps)."""
     pipeline = stages * (tile_n * GROUP // 2 + mp * GROUP * 2)
-    return 4 * tile_n * per * 4 + max(pipeline, tile_n * mp * 4)
+    return 4 * tile_n * per * 4 + max(pipeline, tile_n * mp * 4) + 48
 
 
 def supported(n: int, k: int, tile_n: int = 128, stages: int = 4) -> bool:
