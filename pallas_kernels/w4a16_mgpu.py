@@ -104,10 +104,12 @@ def smem_bytes(tile_n: int, mp: int, per: int, stages: int) -> int:
 
 
 def supported(n: int, k: int, tile_n: int = 128, stages: int = 4) -> bool:
-    """Shapes the kernel takes at every M up to MAX_M with the default splits."""
+    """Shapes the kernel takes at every M up to MAX_M with the default splits (a
+    program's shared memory grows with its rows, so a split that fits at MAX_M fits
+    at every M)."""
     if n % tile_n or k % GROUP:
         return False
-    return all(default_k_splits(n, k, tile_n, mp, stages) for mp in (16, 32, MAX_M))
+    return default_k_splits(n, k, tile_n, MAX_M, stages) > 0
 
 
 # One jit for every call site: without it each call site's kernel is lowered and
@@ -174,9 +176,9 @@ def _call(x, q, scale, zero, *, n, mp, tile_n, splits, per, stages, out_rows, ea
     def kernel(q_gmem, x_gmem, s_gmem, z_gmem, out_gmem, s_slab, z_slab, s_rows, z_rows, bar,
                *a_smem):
         ni, si = lax.axis_index("n"), lax.axis_index("s")
-        rows, cols = pl.ds(ni * tile_n, tile_n), pl.ds(si * per, per)
-        plgpu.copy_gmem_to_smem(s_gmem.at[rows, cols], s_slab, bar.at[0])
-        plgpu.copy_gmem_to_smem(z_gmem.at[rows, cols], z_slab, bar.at[1])
+        chans, span = pl.ds(ni * tile_n, tile_n), pl.ds(si * per, per)   # of N; of K/G
+        plgpu.copy_gmem_to_smem(s_gmem.at[chans, span], s_slab, bar.at[0])
+        plgpu.copy_gmem_to_smem(z_gmem.at[chans, span], z_slab, bar.at[1])
 
         def scales_ready():
             plgpu.barrier_wait(bar.at[0])
@@ -225,6 +227,19 @@ def _call(x, q, scale, zero, *, n, mp, tile_n, splits, per, stages, out_rows, ea
             plgpu.wgmma_wait(0)
             return acc
 
+        def epilogue(acc, tile):
+            if not out_rows:
+                tile[...] = acc[...]
+            elif interpret:
+                tile[...] = acc[...].T
+            else:
+                v = plgpu.layout_cast(acc[...], plgpu.Layout.WGMMA_TRANSPOSED)
+                plgpu.transpose_ref(tile.at[:, :], (1, 0))[...] = v
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(tile, out_gmem.at[si, :, chans] if out_rows
+                                    else out_gmem.at[si, chans])
+            plgpu.wait_smem_to_gmem(0)
+
         def run(acc):
             first = si * per
             plgpu.emit_pipeline(
@@ -241,20 +256,6 @@ def _call(x, q, scale, zero, *, n, mp, tile_n, splits, per, stages, out_rows, ea
             # [S, N, Mp] the sum is a reduce kernel of its own before a transpose.
             pl.run_scoped(functools.partial(epilogue, acc),
                           plgpu.SMEM((mp, tile_n) if out_rows else (tile_n, mp), jnp.float32))
-
-        def epilogue(acc, tile):
-            cols = pl.ds(ni * tile_n, tile_n)
-            if not out_rows:
-                tile[...] = acc[...]
-            elif interpret:
-                tile[...] = acc[...].T
-            else:
-                v = plgpu.layout_cast(acc[...], plgpu.Layout.WGMMA_TRANSPOSED)
-                plgpu.transpose_ref(tile.at[:, :], (1, 0))[...] = v
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(tile, out_gmem.at[si, :, cols] if out_rows
-                                    else out_gmem.at[si, cols])
-            plgpu.wait_smem_to_gmem(0)
 
         pl.run_scoped(run, plgpu.ACC((tile_n, mp), jnp.float32))
 
