@@ -42,10 +42,10 @@ MAX_M = 64
 # jax >= 0.11 stores registers into transposed shared-memory views (0.10 flattens the
 # view): there a step reads its scales as a row (see the kernel).
 ROWS = jax.__version_info__ >= (0, 11)
-# The partials written [S, Mp, N] (`out_rows`; jax >= 0.11 on a GPU): XLA then fuses
-# their sum into the consumer, 3 kernels a layer fewer. Off by default until its
-# numbers are checked on a GPU (interpret mode checks them here).
-OUT_ROWS = False
+# The partials written [S, Mp, N] (`out_rows`; jax >= 0.11): XLA then fuses their sum
+# into the consumer, 3 kernels a layer fewer and ~0.25 ms off an 8B decode step on an
+# H100 (docs/benchmarks.md); False writes them [S, N, Mp], summed and transposed by XLA.
+OUT_ROWS = True
 
 
 def as_int4(w_u8):

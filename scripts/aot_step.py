@@ -20,8 +20,8 @@ lower differently between the two, so compile them with both.
 --quant-matmul compiles bench_quant_matmul.py's kinds instead (its gate/up shape at 16
 and 64 rows) and lists their kernels; --sampler ROWS the sampler's greedy, random and
 logprobs variants at the 8B vocabulary (`--sampler 8,256`). --time prints each step's
-lower and compile seconds; --mosaic-out-rows has the Mosaic W4A16 kernel write its
-partials [S, Mp, N]. With $OUT set, writes each compiled step there
+lower and compile seconds; --mosaic-out-cols has the Mosaic W4A16 kernel write its
+partials [S, N, Mp] (the layout before out_rows). With $OUT set, writes each compiled step there
 (``aot_<tag>-L<layers>.hlo.txt``).
 """
 from __future__ import annotations
@@ -148,9 +148,9 @@ def main(argv=None) -> int:
     ap.add_argument("--quantization", default=None, help="e.g. fp8 (online, dummy weights)")
     ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead")
-    ap.add_argument("--mosaic-out-rows", action="store_true",
-                    help="the Mosaic W4A16 kernel writes its partials [S, Mp, N] "
-                    "(w4a16_mgpu.OUT_ROWS)")
+    ap.add_argument("--mosaic-out-cols", action="store_true",
+                    help="the Mosaic W4A16 kernel writes its partials [S, N, Mp], "
+                    "not [S, Mp, N] (w4a16_mgpu.OUT_ROWS off)")
     ap.add_argument("--time", action="store_true",
                     help="print each step's lower and compile seconds (stderr)")
     ap.add_argument("--quant-matmul", metavar="KINDS", default=None,
@@ -158,9 +158,9 @@ def main(argv=None) -> int:
     ap.add_argument("--sampler", metavar="ROWS", default=None,
                     help="compile the sampler's variants for these row counts instead")
     args = ap.parse_args(argv)
-    if args.mosaic_out_rows:
+    if args.mosaic_out_cols:
         from pallas_kernels import w4a16_mgpu
-        w4a16_mgpu.OUT_ROWS = True
+        w4a16_mgpu.OUT_ROWS = False
     if args.sampler:
         return sampler_kernels(args)
     if args.quant_matmul:
