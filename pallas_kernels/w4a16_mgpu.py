@@ -103,13 +103,20 @@ def smem_bytes(tile_n: int, mp: int, per: int, stages: int) -> int:
     return 4 * tile_n * per * 4 + max(pipeline, tile_n * mp * 4) + 48
 
 
-def supported(n: int, k: int, tile_n: int = 128, stages: int = 4) -> bool:
-    """Shapes the kernel takes at every M up to MAX_M with the default splits (a
-    program's shared memory grows with its rows, so a split that fits at MAX_M fits
-    at every M)."""
+def default_stages(mp: int) -> int:
+    """Pipeline depth: 4 up to 16 rows; 2 above, where x's tiles grow and 4 stages left
+    room for one gate/up program an SM (two with 2 stages; on an H100 a layer's four
+    matmuls at 64 rows took 0.81x the time, at 32 rows 0.90x)."""
+    return 4 if mp <= 16 else 2
+
+
+def supported(n: int, k: int, tile_n: int = 128) -> bool:
+    """Shapes the kernel takes at every M up to MAX_M with the default splits and
+    stages (a program's shared memory at any M is at most MAX_M's with 2 stages: at
+    16 rows 4 stages of tiles take no more, so a split that fits there fits at every M)."""
     if n % tile_n or k % GROUP:
         return False
-    return default_k_splits(n, k, tile_n, MAX_M, stages) > 0
+    return default_k_splits(n, k, tile_n, MAX_M, default_stages(MAX_M)) > 0
 
 
 # One jit for every call site: without it each call site's kernel is lowered and
@@ -117,8 +124,8 @@ def supported(n: int, k: int, tile_n: int = 128, stages: int = 4) -> bool:
 # model, so minutes of warm-up), while identical calls through one jit compile once.
 @functools.partial(jax.jit, static_argnames=("out_dtype", "tile_n", "k_splits", "stages",
                                              "out_rows", "early_scales", "interpret"))
-def w4a16_matmul(x, q, scale, zero, *, out_dtype=None, tile_n=128, k_splits=None, stages=4,
-                 out_rows=None, early_scales=False, interpret=False):
+def w4a16_matmul(x, q, scale, zero, *, out_dtype=None, tile_n=128, k_splits=None,
+                 stages=None, out_rows=None, early_scales=False, interpret=False):
     """Same contract as ``ref_w4a16_matmul``; the rest are kernel settings (`out_rows`:
     the partials' layout, OUT_ROWS's by default; `early_scales`: see the kernel).
     M <= 64."""
@@ -133,6 +140,7 @@ def w4a16_matmul(x, q, scale, zero, *, out_dtype=None, tile_n=128, k_splits=None
         raise ValueError(f"M {m} > {MAX_M} or N {n} not a multiple of {tile_n}")
     mp = max(16, common.next_pow2(m))
     out_rows = OUT_ROWS and ROWS if out_rows is None else out_rows
+    stages = stages or default_stages(mp)
     splits = k_splits or default_k_splits(n, k, tile_n, mp, stages)
     groups = k // GROUP
     if not splits or not _split_fits(groups, splits):

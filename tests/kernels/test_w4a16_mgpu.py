@@ -146,12 +146,19 @@ def test_default_splits_cover_the_sms_in_whole_slabs():
     above, 4 groups a split or more, a program within shared memory at its rows."""
     for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]:
         for mp, times in ((16, 4), (32, 2), (64, 2)):
-            s = w4.default_k_splits(n, k, 128, mp)
+            stages = w4.default_stages(mp)
+            s = w4.default_k_splits(n, k, 128, mp, stages)
             assert (k // G) % s == 0 and (k // G // s) % 4 == 0
             assert n // 128 * s >= times * 132 or (k // G // s) == 4, (n, k, mp, s)
-            assert w4.smem_bytes(128, mp, k // G // s, 4) <= w4.common.SMEM_BYTES
+            smem = w4.smem_bytes(128, mp, k // G // s, stages)
+            assert smem <= w4.common.SMEM_BYTES
+            # at least two programs an SM (228 KiB on Hopper, 1 KiB reserved a program):
+            # with 4 stages above 16 rows gate/up and down fit one
+            assert 2 * (smem + 1024) <= 228 * 1024, (n, k, mp, stages)
     # gate/up: 224 tiles, 4 splits at 16 rows (896 programs), 2 above (448)
-    assert [w4.default_k_splits(28672, 4096, 128, mp) for mp in (16, 64)] == [4, 2]
+    assert [w4.default_k_splits(28672, 4096, 128, mp, w4.default_stages(mp))
+            for mp in (16, 64)] == [4, 2]
+    assert w4.smem_bytes(128, 64, 16, 4) + 1024 > 114 * 1024   # 4 stages: one an SM
     assert not w4.supported(4096, 128 * 6)      # 6 groups: no split of whole 4-group slabs
     # 128 groups in one split: the slabs alone push a program past shared memory, so
     # the default splits further (the fewest that fit: 2)
