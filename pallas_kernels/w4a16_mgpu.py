@@ -13,7 +13,9 @@ bitcast (``as_int4``: int4's first element is a byte's low nibble), so a value q
 reads as q - 16 where q >= 8 and the kernel flips each nibble's top bit; f32 scale
 and zero point [N, K/G]. A program copies its [TN, P] slab of each once into shared
 memory and stores it again transposed, [P, TN], so that a step reads its group's
-scales as one contiguous row.
+scales as one contiguous row. The weight may also come tiled (``tile_weight``:
+[N/TN, K/G, TN, G], each step's tile one contiguous block, read by TMA as whole lines
+where [N, K] gives it 64 bytes of each of TN rows).
 
 Grid (N / TN, S). A program owns TN channels and 1/S of K and computes
 acc[TN, Mp] += W[TN, G] @ x^T[G, Mp] per step, with W = (q - z) * s: the integer
@@ -49,18 +51,36 @@ OUT_ROWS = True
 
 
 def as_int4(w_u8):
-    """uint8 [N, K/2] (two uint4 a byte) -> int4 [N, K], the same bytes."""
-    n, half = w_u8.shape
-    return lax.bitcast_convert_type(w_u8, jnp.int4).reshape(n, 2 * half)
+    """uint8 [..., K/2] (two uint4 a byte) -> int4 [..., K], the same bytes."""
+    *lead, half = w_u8.shape
+    return lax.bitcast_convert_type(w_u8, jnp.int4).reshape(*lead, 2 * half)
+
+
+def tile_weight(w, tile_n: int = 128):
+    """[N, K'] -> [N / TN, K' / G', TN, G'] (G' = GROUP columns of ``w``'s kind: 128 of
+    int4, 64 bytes of uint8): each program's step tile one contiguous block, so a TMA
+    copy reads whole lines in a row rather than 64 bytes of each of TN rows 2 KiB (K/2)
+    apart. A layout the kernel takes as well as [N, K] (see ``untile_weight``)."""
+    n, kk = w.shape
+    g = GROUP if jnp.dtype(w.dtype) == jnp.int4 else GROUP // 2
+    return w.reshape(n // tile_n, tile_n, kk // g, g).transpose(0, 2, 1, 3)
+
+
+def untile_weight(w):
+    """``tile_weight``'s inverse: [N / TN, K' / G', TN, G'] -> [N, K']."""
+    nt, kt, tn, g = w.shape
+    return w.transpose(0, 2, 1, 3).reshape(nt * tn, kt * g)
 
 
 def ref_w4a16_matmul(x, q, scale, zero, *, out_dtype=None, **settings):
-    """x [M, K], q int4 [N, K] (uint4 values reread, see as_int4), scale and zero f32
+    """x [M, K], q int4 [N, K] or tiled (``tile_weight``; uint4 values reread, see
+    as_int4), scale and zero f32
     [N, K/G] -> [M, N] ``out_dtype`` (default x's dtype). The weight as the kernel
     widens it: (q - z) exact, times the scale rounded to bf16, rounded to bf16 (one
     rounding: the product of an integer below 2^8 and a bf16 is exact in f32); the
     dot in f32."""
     del settings
+    q = untile_weight(q) if q.ndim == 4 else q
     k = q.shape[1]
     g = jnp.arange(k) // GROUP
     v = q.astype(jnp.float32)
@@ -130,9 +150,12 @@ def w4a16_matmul(x, q, scale, zero, *, out_dtype=None, tile_n=128, k_splits=None
     the partials' layout, OUT_ROWS's by default; `early_scales`: see the kernel).
     M <= 64."""
     m, k = x.shape
-    n = q.shape[0]
-    if q.shape != (n, k) or jnp.dtype(q.dtype) != jnp.int4:
-        raise ValueError(f"weight {q.dtype} {q.shape}: int4 [N, {k}] expected")
+    tiled = q.ndim == 4
+    n = q.shape[0] * q.shape[2] if tiled else q.shape[0]
+    if jnp.dtype(q.dtype) != jnp.int4 or q.shape != ((n // tile_n, k // GROUP, tile_n, GROUP)
+                                                     if tiled else (n, k)):
+        raise ValueError(f"weight {q.dtype} {q.shape}: int4 [N, {k}] or tiled for tile_n "
+                         f"{tile_n} (tile_weight) expected")
     if scale.shape != (n, k // GROUP) or zero.shape != scale.shape or k % GROUP:
         raise ValueError(f"scale {scale.shape} / zero {zero.shape}: [{n}, {k // GROUP}] "
                          f"expected (K a multiple of {GROUP})")
@@ -155,7 +178,7 @@ def w4a16_matmul(x, q, scale, zero, *, out_dtype=None, tile_n=128, k_splits=None
     out = _call(x.astype(jnp.bfloat16), q, scale.astype(jnp.float32),
                 zero.astype(jnp.float32), n=n, mp=mp, tile_n=tile_n, splits=splits,
                 per=groups // splits, stages=stages, out_rows=out_rows,
-                early_scales=early_scales, interpret=interpret)
+                early_scales=early_scales, tiled=tiled, interpret=interpret)
     y = out.sum(0)[:m] if out_rows else out.sum(0)[:, :m].T
     return y.astype(out_dtype or x.dtype)
 
@@ -167,7 +190,7 @@ def _transforms(minor_bits: int, elem_bits: int, what: str):
 
 
 def _call(x, q, scale, zero, *, n, mp, tile_n, splits, per, stages, out_rows, early_scales,
-          interpret):
+          tiled, interpret):
     q_tr = _transforms(GROUP * 4, 4, "weight")
     x_tr = _transforms(GROUP * 16, 16, "x")
     row = plgpu.Layout.WGMMA.reduce(1)
@@ -253,8 +276,10 @@ def _call(x, q, scale, zero, *, n, mp, tile_n, splits, per, stages, out_rows, ea
             plgpu.emit_pipeline(
                 step, grid=(per,), max_concurrent_steps=stages, init_carry=acc,
                 in_specs=[
-                    plgpu.BlockSpec((tile_n, GROUP), lambda j: (ni, first + j),
-                                    transforms=q_tr),
+                    plgpu.BlockSpec((pl.squeezed, pl.squeezed, tile_n, GROUP),
+                                    lambda j: (ni, first + j, 0, 0), transforms=q_tr)
+                    if tiled else plgpu.BlockSpec((tile_n, GROUP), lambda j: (ni, first + j),
+                                                  transforms=q_tr),
                     plgpu.BlockSpec((mp, GROUP), lambda j: (0, first + j), transforms=x_tr),
                 ])(q_gmem, x_gmem)
             # The partials leave through a shared-memory tile allocated after the

@@ -19,7 +19,8 @@ W4A16 with groups of 128 through XLA (xla_w4: grouped_dequant_matmul; xla_u4: th
 weight typed uint4, which XLA's Triton GEMMs read packed), the Triton kernel
 (pallas_w4) and the Mosaic GPU kernel on the same bytes (mgpu_w4:
 pallas_kernels/w4a16_mgpu.py, Hopper only; its error is against the checkpoint's f32
-reference, so it includes the bf16 scales: 2.5e-3 for its twin on o's shape on a CPU).
+reference, so it includes the bf16 scales: 2.5e-3 for its twin on o's shape on a CPU;
+mgpu_w4_tiled: the same on the weight stored tiled, w4a16_mgpu.tile_weight).
 Rows then also print the weight's GB/s (weight and scales over the run time), and the
 Pallas rows the kernel's largest error against its plain-jnp reference
 on the same inputs (relative to the largest output), so the kernels' first runs on a
@@ -84,7 +85,8 @@ VARIANTS = {"default": {}, "no_triton": {"xla_gpu_enable_triton_gemm": False},
             "autotune0": {"xla_gpu_autotune_level": 0},
             "exhaustive": {"xla_gpu_exhaustive_tiling_search": True}}
 STORE = {"fp8": jnp.float8_e4m3fn, "int8": jnp.int8}
-PALLAS_KINDS = ("pallas_fp8", "pallas_int8", "xla_w4", "pallas_w4", "xla_u4", "mgpu_w4")
+PALLAS_KINDS = ("pallas_fp8", "pallas_int8", "xla_w4", "pallas_w4", "xla_u4", "mgpu_w4",
+                "mgpu_w4_tiled")
 W4_GROUP = 128
 # Block-scaled fp8 (native FP8 checkpoints, 128x128 blocks; scales repeated per row).
 BLOCK = 128
@@ -227,9 +229,11 @@ def pallas_error(kind, args, settings) -> float:
     if kind == "pallas_block_fp8":
         got = qmm.quant_matmul(*args[:2], None, args[2], out_dtype=jnp.float32, **settings)
         want = qmm.ref_quant_matmul(*args[:2], None, args[2], out_dtype=jnp.float32)
-    elif kind in ("pallas_w4", "mgpu_w4"):
+    elif kind in ("pallas_w4", "mgpu_w4", "mgpu_w4_tiled"):
         got = (w4(True, settings) if kind == "pallas_w4" else mgpu_w4(settings))(*args)
-        want = qmm.ref_quant_matmul_int4(*args, group=W4_GROUP)
+        x, wq, s, z = args
+        wq = w4a16_mgpu.untile_weight(wq) if wq.ndim == 4 else wq
+        want = qmm.ref_quant_matmul_int4(x, wq, s, z, group=W4_GROUP)
     else:
         x, wq, ws = args
         xq, xs = quantize_per_token(x, 1, ActScheme(dtype=kind[7:], dynamic=True))
@@ -256,6 +260,10 @@ def case_args(kind, m, n, k, key, settings=None):
         return xla_u4, u4_args(x, n, k, kw)
     if kind == "mgpu_w4":
         return mgpu_w4(settings or {}), w4_args(x, n, k, kw)
+    if kind == "mgpu_w4_tiled":     # the weight stored tiled (tile_weight), as at load
+        x, wq, s, z = w4_args(x, n, k, kw)
+        wq = w4a16_mgpu.tile_weight(wq, (settings or {}).get("tile_n", 128))
+        return mgpu_w4(settings or {}), (x, wq, s, z)
     if kind in BLOCK_KINDS:
         wq = (jax.random.normal(kw, (n, k), jnp.float32) * 100).astype(jnp.float8_e4m3fn)
         ws = jax.random.uniform(kx, (n, k // BLOCK), jnp.float32, 1e-4, 4e-4)

@@ -108,6 +108,35 @@ def test_both_output_layouts_interpret(m, splits):
                                    atol=1e-4 * float(jnp.max(jnp.abs(want))))
 
 
+@pytest.mark.parametrize("m,n,k,settings", [(5, 256, 1024, dict(k_splits=2)),
+                                             (16, 256, 2048, dict(tile_n=64, k_splits=4))],
+                         ids=str)
+def test_tiled_weight_interpret(m, n, k, settings):
+    """The weight stored tiled (each step's tile one contiguous block): the same bytes
+    rearranged, tiled from the bytes or from int4 alike, and the kernel's result on it
+    equals its result on [N, K] exactly and the twin's on either."""
+    wu8, s, z = _checkpoint(n, k, seed=11)
+    tn = settings.get("tile_n", 128)
+    q, qt = w4.as_int4(wu8), w4.as_int4(w4.tile_weight(wu8, tn))
+    assert qt.shape == (n // tn, k // G, tn, G)
+    np.testing.assert_array_equal(np.asarray(w4.tile_weight(q, tn)), np.asarray(qt))
+    np.testing.assert_array_equal(np.asarray(w4.untile_weight(qt)), np.asarray(q))
+    # tile (i, j) is the weight's rows i*TN.. and group j's columns
+    np.testing.assert_array_equal(np.asarray(qt[1, 2]), np.asarray(q[tn:2 * tn, 2 * G:3 * G]))
+    x = _x(m, k, seed=12)
+    plain = w4.w4a16_matmul(x, q, s, z, out_dtype=jnp.float32, interpret=True, **settings)
+    got = w4.w4a16_matmul(x, qt, s, z, out_dtype=jnp.float32, interpret=True, **settings)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(plain))
+    want = w4.ref_w4a16_matmul(x, qt, s, z, out_dtype=jnp.float32)
+    np.testing.assert_array_equal(np.asarray(want),
+                                  np.asarray(w4.ref_w4a16_matmul(x, q, s, z,
+                                                                 out_dtype=jnp.float32)))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0,
+                               atol=1e-4 * float(jnp.max(jnp.abs(want))))
+    with pytest.raises(ValueError, match="tiled for tile_n 64"):   # tiled for 128
+        w4.w4a16_matmul(x, w4.as_int4(w4.tile_weight(wu8, 128)), s, z, tile_n=64)
+
+
 def test_call_sites_share_one_trace(monkeypatch):
     """A model calls the kernel once per layer and projection (128 call sites a decode
     step of an 8B model); each site lowered and compiled on its own took ~0.9 s on the
@@ -190,3 +219,6 @@ def test_lowers_for_cuda(m, n, k):
     kw = dict(early_scales=True, out_rows=w4.ROWS)
     text = lower_for_cuda(functools.partial(w4.w4a16_matmul, **kw), *args)
     assert "mosaic_gpu" in text and ("stablehlo.transpose" in text) != w4.ROWS
+    # the weight stored tiled: its step tiles are 4-d TMA boxes of contiguous bytes
+    tiled = (args[0], SD((n // 128, k // G, 128, G), jnp.int4), *args[2:])
+    assert "mosaic_gpu" in lower_for_cuda(w4.w4a16_matmul, *tiled)
