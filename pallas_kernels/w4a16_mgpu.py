@@ -59,7 +59,7 @@ def as_int4(w_u8):
 def tile_weight(w, tile_n: int = 128):
     """[N, K'] -> [N / TN, K' / G', TN, G'] (G' = GROUP columns of ``w``'s kind: 128 of
     int4, 64 bytes of uint8): each program's step tile one contiguous block, so a TMA
-    copy reads whole lines in a row rather than 64 bytes of each of TN rows 2 KiB (K/2)
+    copy reads whole lines in a row rather than 64 bytes of each of TN rows K/2 bytes
     apart. A layout the kernel takes as well as [N, K] (see ``untile_weight``)."""
     n, kk = w.shape
     g = GROUP if jnp.dtype(w.dtype) == jnp.int4 else GROUP // 2
@@ -74,8 +74,8 @@ def untile_weight(w):
 
 def ref_w4a16_matmul(x, q, scale, zero, *, out_dtype=None, **settings):
     """x [M, K], q int4 [N, K] or tiled (``tile_weight``; uint4 values reread, see
-    as_int4), scale and zero f32
-    [N, K/G] -> [M, N] ``out_dtype`` (default x's dtype). The weight as the kernel
+    as_int4), scale and zero f32 [N, K/G] -> [M, N] ``out_dtype`` (default x's
+    dtype). The weight as the kernel
     widens it: (q - z) exact, times the scale rounded to bf16, rounded to bf16 (one
     rounding: the product of an integer below 2^8 and a bf16 is exact in f32); the
     dot in f32."""

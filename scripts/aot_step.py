@@ -21,7 +21,7 @@ lower differently between the two, so compile them with both.
 and 64 rows) and lists their kernels; --sampler ROWS the sampler's greedy, random and
 logprobs variants at the 8B vocabulary (`--sampler 8,256`). --time prints each step's
 lower and compile seconds; --mosaic-out-cols has the Mosaic W4A16 kernel write its
-partials [S, N, Mp] (the layout before out_rows). With $OUT set, writes each compiled step there
+partials [S, N, Mp] (OUT_ROWS off). With $OUT set, writes each compiled step there
 (``aot_<tag>-L<layers>.hlo.txt``).
 """
 from __future__ import annotations

@@ -260,7 +260,7 @@ def case_args(kind, m, n, k, key, settings=None):
         return xla_u4, u4_args(x, n, k, kw)
     if kind == "mgpu_w4":
         return mgpu_w4(settings or {}), w4_args(x, n, k, kw)
-    if kind == "mgpu_w4_tiled":     # the weight stored tiled (tile_weight), as at load
+    if kind == "mgpu_w4_tiled":     # the weight stored tiled (tile_weight), outside the timing
         x, wq, s, z = w4_args(x, n, k, kw)
         wq = w4a16_mgpu.tile_weight(wq, (settings or {}).get("tile_n", 128))
         return mgpu_w4(settings or {}), (x, wq, s, z)
