@@ -114,12 +114,12 @@ def _split_fits(groups: int, splits: int) -> bool:
     return groups % splits == 0 and (groups // splits) % 4 == 0 and groups // splits <= 256
 
 
-def smem_bytes(tile_n: int, mp: int, per: int, stages: int) -> int:
+def smem_bytes(tile_n: int, mp: int, per: int, stages: int, gps: int = 1) -> int:
     """A program's shared memory: the two scale slabs (each twice: as copied and
     transposed), then either the pipeline's weight and x tiles or, in their place once
     the pipeline is done, the output tile, and 48 bytes of barriers (the kernel's
     dynamic shared memory as Mosaic sizes it, seen in its dumps)."""
-    pipeline = stages * (tile_n * GROUP // 2 + mp * GROUP * 2)
+    pipeline = stages * gps * (tile_n * GROUP // 2 + mp * GROUP * 2)
     return 4 * tile_n * per * 4 + max(pipeline, tile_n * mp * 4) + 48
 
 
@@ -143,12 +143,15 @@ def supported(n: int, k: int, tile_n: int = 128) -> bool:
 # compiled on its own (~0.9 s each on the GPU machine, 128 a decode step of an 8B
 # model, so minutes of warm-up), while identical calls through one jit compile once.
 @functools.partial(jax.jit, static_argnames=("out_dtype", "tile_n", "k_splits", "stages",
-                                             "out_rows", "early_scales", "interpret"))
+                                             "out_rows", "early_scales", "groups_per_step",
+                                             "interpret"))
 def w4a16_matmul(x, q, scale, zero, *, out_dtype=None, tile_n=128, k_splits=None,
-                 stages=None, out_rows=None, early_scales=False, interpret=False):
+                 stages=None, out_rows=None, early_scales=False, groups_per_step=1,
+                 interpret=False):
     """Same contract as ``ref_w4a16_matmul``; the rest are kernel settings (`out_rows`:
-    the partials' layout, OUT_ROWS's by default; `early_scales`: see the kernel).
-    M <= 64."""
+    the partials' layout, OUT_ROWS's by default; `early_scales`: see the kernel;
+    `groups_per_step`: groups a pipeline stage copies, so [N, K]'s TMA copies read
+    64 bytes a row times that). M <= 64."""
     m, k = x.shape
     tiled = q.ndim == 4
     n = q.shape[0] * q.shape[2] if tiled else q.shape[0]
@@ -169,7 +172,11 @@ def w4a16_matmul(x, q, scale, zero, *, out_dtype=None, tile_n=128, k_splits=None
     if not splits or not _split_fits(groups, splits):
         raise ValueError(f"k_splits {splits}: must divide K's {groups} groups into "
                          "multiples of 4, at most 256")
-    if smem_bytes(tile_n, mp, groups // splits, stages) > common.SMEM_BYTES:
+    gps = groups_per_step
+    if gps not in (1, 2, 4) or (groups // splits) % gps or (tiled and gps != 1):
+        raise ValueError(f"groups_per_step {gps}: 1, 2 or 4, dividing a split's "
+                         f"{groups // splits} groups (1 with a tiled weight)")
+    if smem_bytes(tile_n, mp, groups // splits, stages, gps) > common.SMEM_BYTES:
         raise ValueError(f"tile_n {tile_n}, {stages} stages, {groups // splits} groups a "
                          "split: over the shared memory of a program")
     # x goes in unpadded, its tiles [Mp, G] read past its M rows: TMA fills those rows
@@ -178,7 +185,7 @@ def w4a16_matmul(x, q, scale, zero, *, out_dtype=None, tile_n=128, k_splits=None
     out = _call(x.astype(jnp.bfloat16), q, scale.astype(jnp.float32),
                 zero.astype(jnp.float32), n=n, mp=mp, tile_n=tile_n, splits=splits,
                 per=groups // splits, stages=stages, out_rows=out_rows,
-                early_scales=early_scales, tiled=tiled, interpret=interpret)
+                early_scales=early_scales, tiled=tiled, gps=gps, interpret=interpret)
     y = out.sum(0)[:m] if out_rows else out.sum(0)[:, :m].T
     return y.astype(out_dtype or x.dtype)
 
@@ -190,7 +197,7 @@ def _transforms(minor_bits: int, elem_bits: int, what: str):
 
 
 def _call(x, q, scale, zero, *, n, mp, tile_n, splits, per, stages, out_rows, early_scales,
-          tiled, interpret):
+          tiled, gps, interpret):
     q_tr = _transforms(GROUP * 4, 4, "weight")
     x_tr = _transforms(GROUP * 16, 16, "x")
     row = plgpu.Layout.WGMMA.reduce(1)
@@ -233,10 +240,15 @@ def _call(x, q, scale, zero, *, n, mp, tile_n, splits, per, stages, out_rows, ea
         if not early_scales:
             scales_ready()
 
-        def step(idx, q_smem, x_smem, acc):
-            j = idx[0]
+        def step(idx, q_stage, x_stage, acc):
             if early_scales:
-                pl.when(j == 0)(scales_ready)
+                pl.when(idx[0] == 0)(scales_ready)
+            for h in range(gps):         # a stage's groups, one wgmma each
+                cols = pl.ds(h * GROUP, GROUP)
+                group(idx[0] * gps + h, q_stage.at[:, cols], x_stage.at[:, cols], acc)
+            return acc
+
+        def group(j, q_smem, x_smem, acc):
             # Flipping each nibble's top bit turns the reread q - 16 [q >= 8] into q - 8
             # (one xor a register); the zero point takes the 8: q - z = (q - 8) - (z - 8).
             w = (load(q_smem, plgpu.Layout.WGMMA_UPCAST_2X) ^ jnp.int4(-8)).astype(jnp.bfloat16)
@@ -256,7 +268,6 @@ def _call(x, q, scale, zero, *, n, mp, tile_n, splits, per, stages, out_rows, ea
                 w, xt = a_smem
             plgpu.wgmma(acc, w, xt)
             plgpu.wgmma_wait(0)
-            return acc
 
         def epilogue(acc, tile):
             if not out_rows:
@@ -272,15 +283,16 @@ def _call(x, q, scale, zero, *, n, mp, tile_n, splits, per, stages, out_rows, ea
             plgpu.wait_smem_to_gmem(0)
 
         def run(acc):
-            first = si * per
+            first = si * (per // gps)                      # in stages of gps groups
             plgpu.emit_pipeline(
-                step, grid=(per,), max_concurrent_steps=stages, init_carry=acc,
+                step, grid=(per // gps,), max_concurrent_steps=stages, init_carry=acc,
                 in_specs=[
                     plgpu.BlockSpec((pl.squeezed, pl.squeezed, tile_n, GROUP),
                                     lambda j: (ni, first + j, 0, 0), transforms=q_tr)
-                    if tiled else plgpu.BlockSpec((tile_n, GROUP), lambda j: (ni, first + j),
-                                                  transforms=q_tr),
-                    plgpu.BlockSpec((mp, GROUP), lambda j: (0, first + j), transforms=x_tr),
+                    if tiled else plgpu.BlockSpec((tile_n, gps * GROUP),
+                                                  lambda j: (ni, first + j), transforms=q_tr),
+                    plgpu.BlockSpec((mp, gps * GROUP), lambda j: (0, first + j),
+                                    transforms=x_tr),
                 ])(q_gmem, x_gmem)
             # The partials leave through a shared-memory tile allocated after the
             # pipeline's buffers are freed (so in their place). With out_rows they are

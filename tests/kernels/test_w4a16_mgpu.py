@@ -137,6 +137,22 @@ def test_tiled_weight_interpret(m, n, k, settings):
         w4.w4a16_matmul(x, w4.as_int4(w4.tile_weight(wu8, 128)), s, z, tile_n=64)
 
 
+@pytest.mark.parametrize("gps,splits", [(2, 2), (4, 1)])
+def test_groups_per_step_interpret(gps, splits):
+    """Stages of 2 or 4 groups (each TMA copy reading 128 or 256 bytes of a row), one
+    wgmma a group: the twin's numbers, at 1 and 2 stages' worth of steps a split."""
+    wu8, s, z = _checkpoint(256, 1024, seed=13)
+    args = (_x(5, 1024, seed=14), w4.as_int4(wu8), s, z)
+    want = w4.ref_w4a16_matmul(*args, out_dtype=jnp.float32)
+    got = w4.w4a16_matmul(*args, out_dtype=jnp.float32, interpret=True, k_splits=splits,
+                          groups_per_step=gps, stages=2)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0,
+                               atol=1e-4 * float(jnp.max(jnp.abs(want))))
+    for bad in (3, 8):
+        with pytest.raises(ValueError, match="groups_per_step"):
+            w4.w4a16_matmul(*args, k_splits=splits, groups_per_step=bad)
+
+
 def test_call_sites_share_one_trace(monkeypatch):
     """A model calls the kernel once per layer and projection (128 call sites a decode
     step of an 8B model); each site lowered and compiled on its own took ~0.9 s on the
@@ -222,3 +238,6 @@ def test_lowers_for_cuda(m, n, k):
     # the weight stored tiled: its step tiles are 4-d TMA boxes of contiguous bytes
     tiled = (args[0], SD((n // 128, k // G, 128, G), jnp.int4), *args[2:])
     assert "mosaic_gpu" in lower_for_cuda(w4.w4a16_matmul, *tiled)
+    # two groups a stage: a stage's tiles sliced per group at the swizzle tiles' seams
+    two = functools.partial(w4.w4a16_matmul, groups_per_step=2, stages=2)
+    assert "mosaic_gpu" in lower_for_cuda(two, *args)
