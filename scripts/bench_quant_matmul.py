@@ -325,7 +325,9 @@ def main():
                     f"{','.join(PALLAS_KINDS)} with --pallas)")
     ap.add_argument("--compile-budget", type=float, default=90.0)
     ap.add_argument("--pallas", action="store_true", help="the Pallas kernels too")
-    ap.add_argument("--pallas-settings", default="{}", help="JSON of tile settings")
+    ap.add_argument("--pallas-settings", default="{}", help="JSON of tile settings, or a "
+                    "list of them: each quantized kind then runs once a setting (one "
+                    "process, so a sweep pays the start-up once)")
     ap.add_argument("--copies", type=int, default=1, help="matmuls per program, each on "
                     "its own weight; rows are per matmul (device time at small M)")
     args = ap.parse_args()
@@ -333,7 +335,8 @@ def main():
     args.ms = args.ms or ("1,8,16,64" if args.pallas else "1,8,64,256,4096")
     args.kinds = args.kinds or ("bf16,fp8,int8" + (
         "," + ",".join(PALLAS_KINDS) if args.pallas else ""))
-    settings = json.loads(args.pallas_settings)
+    sweep = json.loads(args.pallas_settings)
+    sweep = sweep if isinstance(sweep, list) else [sweep]
     kw = max(5, *map(len, args.kinds.split(",")))    # the kind column's width
     rows, key = [], jax.random.PRNGKey(0)
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
@@ -345,24 +348,28 @@ def main():
         base = {}
         for m in map(int, args.ms.split(",")):
             for proj, (n, k) in SHAPES.items():
-                for kind in args.kinds.split(","):
+                for kind, settings in [(kd, st) for kd in args.kinds.split(",")
+                                       for st in (sweep if kd != "bf16" else sweep[:1])]:
                     if kind != "bf16" and spent > args.compile_budget:
                         continue
+                    label = f"  {json.dumps(settings)}" if len(sweep) > 1 and kind != "bf16" \
+                        else ""
                     try:
                         r = case(kind, m, n, k, VARIANTS[variant], key, settings, args.copies)
                     except Exception as e:      # one failure costs one row
-                        print(f"{variant:>10} {kind:>{kw}} {proj:>8} {m:>5} FAILED {e!r:.200}")
+                        print(f"{variant:>10} {kind:>{kw}} {proj:>8} {m:>5} FAILED {e!r:.200}"
+                              f"{label}")
                         continue
                     spent += r["compile_s"] if kind != "bf16" else 0.0
                     if kind == "bf16":
                         base[(proj, m)] = r["us"]
                     ratio = base.get((proj, m), float("nan")) / r["us"]
                     rows.append({"variant": variant, "kind": kind, "proj": proj, "m": m, **r,
-                                 "speedup_vs_bf16": round(ratio, 3)})
+                                 "speedup_vs_bf16": round(ratio, 3), "settings": settings})
                     extra = (f" {r.get('weight_gbps', float('nan')):>7.0f} "
                              f"{r.get('max_rel_err', float('nan')):>8.1e}" if args.pallas else "")
                     print(f"{variant:>10} {kind:>{kw}} {proj:>8} {m:>5} {r['compile_s']:>9.2f} "
-                          f"{r['us']:>9.1f} {r['tflops']:>8.1f} {ratio:>7.2f}{extra}",
+                          f"{r['us']:>9.1f} {r['tflops']:>8.1f} {ratio:>7.2f}{extra}{label}",
                           flush=True)
         if spent > args.compile_budget:
             print(f"{variant}: quantized compiles passed the {args.compile_budget:.0f} s "
