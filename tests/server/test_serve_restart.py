@@ -104,6 +104,12 @@ def test_engine_death_answers_in_flight_and_exits_non_zero(tiny_model):
             results[name] = (type(e).__name__, "")
 
     try:
+        # The engine found before the stream starts: between its first text and the kill
+        # only the second request's start, or on a busy machine the stream's 480 tokens
+        # could all be out first.
+        engines = [int(p) for p in os.popen(f"pgrep -P {server.proc.pid} -f spawn_main")
+                   .read().split()]
+        assert len(engines) == 1, engines
         with httpx.stream("POST", f"{server.url}/v1/completions",
                           json={**long, "stream": True}, timeout=120) as stream:
             lines = stream.iter_lines()
@@ -111,9 +117,6 @@ def test_engine_death_answers_in_flight_and_exits_non_zero(tiny_model):
             whole = threading.Thread(target=post, args=("whole", long))
             whole.start()
             time.sleep(0.05)
-            engines = [int(p) for p in os.popen(f"pgrep -P {server.proc.pid} -f spawn_main")
-                       .read().split()]
-            assert len(engines) == 1, engines
             os.kill(engines[0], signal.SIGKILL)
             events = [line for line in lines if line]
         whole.join(60)
