@@ -23,6 +23,7 @@ import numpy as np
 from flax import nnx
 
 from jaxllm.env_switch import env_switch
+from jaxllm.layers.quantization import int4_layout
 from jaxllm.layers.quantization.rotation import block_size, hadamard, rotate
 from jaxllm.layers.quantization.schemes import FP8_MAX, INT8_MAX, ActScheme, LinearScheme
 from pallas_kernels.common import is_hopper, target_platform, to_f16
@@ -232,34 +233,32 @@ def use_mosaic_int4(scheme: LinearScheme, n: int, k: int, x_dtype) -> bool:
 def int4_kernel_matmul(x, wq, scale, zero, scheme: LinearScheme, nk: int,
                        interpret: bool = False):
     """grouped_dequant_matmul's contract through the fused kernel: the projection's
-    dims flattened to [T, K] x [N, K/2] (two nibbles a byte along the last K dim,
-    so flattening keeps each pair) and the result reshaped back. [T, N...] in x's
-    dtype."""
+    dims flattened to [T, K] x [N, K/2] (two nibbles a byte along the last K dim, so
+    flattening keeps each pair; tiled bytes: int4_layout) -> [T, N...] in x's dtype."""
     from pallas_kernels.quant_matmul import quant_matmul_int4   # Triton lowering, lazily
     t = x.shape[0]
     xf = x.reshape(t, -1)
     out = wq.shape[:wq.ndim - nk]
     n = math.prod(out)
+    tiled = int4_layout.is_tiled(scheme, n, xf.shape[1])
     wq, scale, zero = wq.reshape(n, -1), scale.reshape(n, -1), zero.reshape(n, -1)
     if use_mosaic_int4(scheme, n, xf.shape[1], x.dtype):
         from pallas_kernels.w4a16_mgpu import as_int4, w4a16_matmul   # Mosaic GPU, lazily
-        y = w4a16_matmul(xf, as_int4(wq), scale, zero, out_dtype=x.dtype, interpret=interpret)
+        q = as_int4(int4_layout.kernel_view(wq) if tiled else wq)
+        y = w4a16_matmul(xf, q, scale, zero, out_dtype=x.dtype, interpret=interpret)
     else:
-        y = quant_matmul_int4(xf, wq, scale, zero, group=scheme.group, out_dtype=x.dtype,
-                              interpret=interpret)
+        y = quant_matmul_int4(xf, int4_layout.natural(wq, 1) if tiled else wq, scale, zero,
+                              group=scheme.group, out_dtype=x.dtype, interpret=interpret)
     return y.reshape(t, *out)
 
 
 # Tokens up to which an fp8 / int8 W8A8 layer with per-channel or per-tensor weight
-# scales runs weight-only on a GPU (weight_only_matmul), by weight dtype. At decode
-# sizes a GEMM's time is its weight's bytes, and the W8A8 path adds the input's
-# quantization (a range and a cast kernel before each of a layer's four GEMMs). The
-# step then compiles with XLA's Triton GEMMs (step_compiler_options), which widen
-# the weight in registers. H200, an 8B layer's four projections, device time (us,
-# the W8A8 path's quantization included): fp8 at 16 rows 77.5 weight-only against
-# 90.7, level at 64 (106.2 / 102.8), behind at 128 (155.1 / 109.8); int8 level at 16
-# rows (96.7 / 95.3), behind at 64 (128.5 / 105.3), and the int8 engine's bare decode
-# step took 4.09 ms weight-only against 3.91 W8A8, so int8 keeps W8A8.
+# scales runs weight-only on a GPU (weight_only_matmul; XLA's Triton GEMMs widen the
+# weight in registers, step_compiler_options), by weight dtype: at decode sizes a
+# GEMM's time is its weight's bytes and W8A8 adds a range and a cast kernel before
+# each GEMM. H200, an 8B layer's four projections (us): fp8 at 16 rows 77.5
+# weight-only against 90.7, level at 64, behind at 128 (155.1 / 109.8); int8 level at
+# 16 rows and its engine's bare decode step 4.09 ms against 3.91 W8A8: int8 keeps W8A8.
 WEIGHT_ONLY_ROWS = {"fp8": 64, "int8": 0}
 
 
@@ -378,6 +377,7 @@ class QuantLinear(nnx.Module):
         if s.group is not None and use_int4_kernel(s, x.shape[0], tp):
             y = int4_kernel_matmul(x, w, ws, self.weight_zero_point[...], s, self.nk)
         elif s.group is not None:
+            w = int4_layout.in_row_order(w, s, self.nk) if s.tiled else w
             y = grouped_dequant_matmul(x, w, ws, self.weight_zero_point[...],
                                        self.g_idx[...] if s.g_idx else None, s, self.nk)
         elif s.block is not None and use_block_fp8_kernel(s, x.shape[0], tp):
