@@ -46,7 +46,7 @@ def timed_generate(llm, prompts, params):
 def bench_latency(llm, vocab, args):
     from jaxllm import SamplingParams
     rng = np.random.default_rng(0)
-    prompts = random_prompts(rng, 8, 32, vocab)
+    prompts = random_prompts(rng, args.batch_size, 32, vocab)
     params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
     timed_generate(llm, prompts, params)                       # warm
     runs = [timed_generate(llm, prompts, params) for _ in range(args.repeat)]
@@ -290,6 +290,9 @@ def main():
     ap.add_argument("--hf-peer", action="store_true")
     ap.add_argument("--hf-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--hf-sharegpt-requests", type=int, default=64)
+    ap.add_argument("--batch-size", type=int, default=8,
+                    help="latency's prompts (vLLM's benchmark_latency --batch-size; its CI "
+                    "figure, printed as the peer, is for 8)")
     ap.add_argument("--tag", default="")
     ap.add_argument("--no-async-scheduling", action="store_true")
     ap.add_argument("--profile", action="store_true",
@@ -337,7 +340,7 @@ def main():
     results = {"model": args.model, "engine_process": engine_process,
                "device": "(engine process)" if engine_process else
                str(jax.devices()[0].device_kind),
-               "tp": args.tensor_parallel_size, "tag": args.tag,
+               "tp": args.tensor_parallel_size, "tag": args.tag, "batch_size": args.batch_size,
                "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype}
     if hf is not None:
         results["hf"] = hf
@@ -425,7 +428,9 @@ def print_table(r):
                 print(f"{name:12s} {r[name]}")
             continue
         ratio = f"{v / peer:.2f}x of peer/ceiling {peer:.1f}" if peer else ""
-        print(f"{name:12s} {v:10.1f} {unit:12s} {ratio}  ({ROOFLINE_NOTE[name]})")
+        note = ROOFLINE_NOTE[name] if name != "latency" or r.get("batch_size", 8) == 8 \
+            else f"batch {r['batch_size']}: no peer"
+        print(f"{name:12s} {v:10.1f} {unit:12s} {ratio}  ({note})")
 
 
 if __name__ == "__main__":

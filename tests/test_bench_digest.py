@@ -1,5 +1,6 @@
-"""scripts/bench_h200.py's digest comparison: where two runs' greedy tokens part, the
-largest logprob difference before that, and a clear error for a result without one."""
+"""scripts/bench_h200.py: its digest comparison (where two runs' greedy tokens part, the
+largest logprob difference before that, and a clear error for a result without one)
+and the latency peer it prints."""
 import json
 import os
 import sys
@@ -30,3 +31,15 @@ def test_a_result_without_a_digest_is_named(tmp_path):
     b = _save(tmp_path / "latency.json", [[1]], [[-0.1]], key="latency")
     with pytest.raises(SystemExit, match="latency.json has no `digest` result"):
         bench_h200.compare_digests(a, b)
+
+
+def test_latency_peer_only_at_its_batch_size(capsys):
+    """vLLM's CI latency (the printed peer) is for 8 prompts; another --batch-size
+    prints none."""
+    base = {"model": "m", "device": "d", "tp": 1, "startup_s": 1.0,
+            "latency": {"latency_ms_median": 500.0}}
+    bench_h200.print_table({**base, "batch_size": 8})
+    assert "vLLM H200 CI 833 ms" in capsys.readouterr().out
+    bench_h200.print_table({**base, "batch_size": 64})
+    out = capsys.readouterr().out
+    assert "vLLM" not in out and "batch 64: no peer" in out
