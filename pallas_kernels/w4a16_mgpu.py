@@ -92,7 +92,8 @@ def ref_w4a16_matmul(x, q, scale, zero, *, out_dtype=None, **settings):
     return y.astype(out_dtype or x.dtype)
 
 
-def default_k_splits(n: int, k: int, tile_n: int, mp: int = MAX_M, stages: int = 4) -> int:
+def default_k_splits(n: int, k: int, tile_n: int, mp: int = MAX_M, stages: int = 4,
+                     gps: int = 1) -> int:
     """Splits of K so the programs cover the SMs several times (several programs an SM
     keep more weight bytes in flight): four times at 16 rows, where a program's tiles
     are small, twice above (more splits there write f32 partials that approach the
@@ -102,7 +103,7 @@ def default_k_splits(n: int, k: int, tile_n: int, mp: int = MAX_M, stages: int =
     most such splits; 0 if none."""
     groups, tiles = k // GROUP, n // tile_n
     fits = [s for s in range(1, groups + 1) if _split_fits(groups, s)
-            and smem_bytes(tile_n, mp, groups // s, stages) <= common.SMEM_BYTES]
+            and smem_bytes(tile_n, mp, groups // s, stages, gps) <= common.SMEM_BYTES]
     if not fits:
         return 0
     want = (4 if mp <= 16 else 2) * common.num_sms()
@@ -167,15 +168,15 @@ def w4a16_matmul(x, q, scale, zero, *, out_dtype=None, tile_n=128, k_splits=None
     mp = max(16, common.next_pow2(m))
     out_rows = OUT_ROWS and ROWS if out_rows is None else out_rows
     stages = stages or default_stages(mp)
-    splits = k_splits or default_k_splits(n, k, tile_n, mp, stages)
+    gps = groups_per_step
+    # a split's groups are a multiple of 4 (_split_fits), so 2 or 4 a stage divide them
+    if gps not in (1, 2, 4) or (tiled and gps != 1):
+        raise ValueError(f"groups_per_step {gps}: 1, 2 or 4 (1 with a tiled weight)")
+    splits = k_splits or default_k_splits(n, k, tile_n, mp, stages, gps)
     groups = k // GROUP
     if not splits or not _split_fits(groups, splits):
         raise ValueError(f"k_splits {splits}: must divide K's {groups} groups into "
                          "multiples of 4, at most 256")
-    gps = groups_per_step
-    if gps not in (1, 2, 4) or (groups // splits) % gps or (tiled and gps != 1):
-        raise ValueError(f"groups_per_step {gps}: 1, 2 or 4, dividing a split's "
-                         f"{groups // splits} groups (1 with a tiled weight)")
     if smem_bytes(tile_n, mp, groups // splits, stages, gps) > common.SMEM_BYTES:
         raise ValueError(f"tile_n {tile_n}, {stages} stages, {groups // splits} groups a "
                          "split: over the shared memory of a program")

@@ -38,10 +38,8 @@ def is_tiled(scheme: LinearScheme, n: int, k: int) -> bool:
 
 def tile_stored(q: np.ndarray, n: int) -> np.ndarray:
     """The loader's packed bytes [N..., K.../2] in tiled order, the same shape."""
-    flat = q.reshape(n, -1)
-    half = flat.shape[1]
-    tiled = flat.reshape(n // TILE_N, TILE_N, half // (GROUP // 2), GROUP // 2)
-    return np.ascontiguousarray(tiled.transpose(0, 2, 1, 3)).reshape(q.shape)
+    from pallas_kernels.w4a16_mgpu import tile_weight
+    return np.ascontiguousarray(tile_weight(q.reshape(n, -1), TILE_N)).reshape(q.shape)
 
 
 def kernel_view(wq):

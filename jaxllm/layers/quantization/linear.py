@@ -377,7 +377,7 @@ class QuantLinear(nnx.Module):
         if s.group is not None and use_int4_kernel(s, x.shape[0], tp):
             y = int4_kernel_matmul(x, w, ws, self.weight_zero_point[...], s, self.nk)
         elif s.group is not None:
-            w = int4_layout.in_row_order(w, s, self.nk) if s.tiled else w
+            w = int4_layout.in_row_order(w, s, self.nk)
             y = grouped_dequant_matmul(x, w, ws, self.weight_zero_point[...],
                                        self.g_idx[...] if s.g_idx else None, s, self.nk)
         elif s.block is not None and use_block_fp8_kernel(s, x.shape[0], tp):
