@@ -13,9 +13,7 @@ bitcast (``as_int4``: int4's first element is a byte's low nibble), so a value q
 reads as q - 16 where q >= 8 and the kernel flips each nibble's top bit; f32 scale
 and zero point [N, K/G]. A program copies its [TN, P] slab of each once into shared
 memory and stores it again transposed, [P, TN], so that a step reads its group's
-scales as one contiguous row. The weight may also come tiled (``tile_weight``:
-[N/TN, K/G, TN, G], each step's tile one contiguous block, read by TMA as whole lines
-where [N, K] gives it 64 bytes of each of TN rows).
+scales as one contiguous row.
 
 Grid (N / TN, S). A program owns TN channels and 1/S of K and computes
 acc[TN, Mp] += W[TN, G] @ x^T[G, Mp] per step, with W = (q - z) * s: the integer
@@ -23,8 +21,8 @@ difference is exact in bf16, the scale rounded to bf16 (vLLM's Marlin kernels al
 take a bf16 model's scales in bf16). The weight is the MMA's M dimension (x's few
 rows would not fill it). Each split writes f32 partials, [S, N, Mp] (their sum a
 reduce kernel of its own after each projection, compiled for the H200) or with
-`out_rows` [S, Mp, N] (the sum fused into the consumer, as the Triton kernel's),
-and XLA sums them. x stays [M, K]: its tiles are [Mp, G] TMA copies, which fill the
+`out_rows` [S, M, N] (the sum fused into the consumer, as the Triton kernel's; only
+x's M rows written, where a decode step of one token has 1 of 16), and XLA sums them. x stays [M, K]: its tiles are [Mp, G] TMA copies, which fill the
 rows past M with zeros.
 """
 from __future__ import annotations
@@ -44,7 +42,7 @@ MAX_M = 64
 # jax >= 0.11 stores registers into transposed shared-memory views (0.10 flattens the
 # view): there a step reads its scales as a row (see the kernel).
 ROWS = jax.__version_info__ >= (0, 11)
-# The partials written [S, Mp, N] (`out_rows`; jax >= 0.11): XLA then fuses their sum
+# The partials written [S, M, N] (`out_rows`; jax >= 0.11): XLA then fuses their sum
 # into the consumer, 3 kernels a layer fewer and ~0.25 ms off an 8B decode step on an
 # H100 (docs/benchmarks.md); False writes them [S, N, Mp], summed and transposed by XLA.
 OUT_ROWS = True
@@ -56,31 +54,15 @@ def as_int4(w_u8):
     return lax.bitcast_convert_type(w_u8, jnp.int4).reshape(*lead, 2 * half)
 
 
-def tile_weight(w, tile_n: int = 128):
-    """[N, K'] -> [N / TN, K' / G', TN, G'] (G' = GROUP columns of ``w``'s kind: 128 of
-    int4, 64 bytes of uint8): each program's step tile one contiguous block, so a TMA
-    copy reads whole lines in a row rather than 64 bytes of each of TN rows K/2 bytes
-    apart. A layout the kernel takes as well as [N, K] (see ``untile_weight``)."""
-    n, kk = w.shape
-    g = GROUP if jnp.dtype(w.dtype) == jnp.int4 else GROUP // 2
-    return w.reshape(n // tile_n, tile_n, kk // g, g).transpose(0, 2, 1, 3)
-
-
-def untile_weight(w):
-    """``tile_weight``'s inverse: [N / TN, K' / G', TN, G'] -> [N, K']."""
-    nt, kt, tn, g = w.shape
-    return w.transpose(0, 2, 1, 3).reshape(nt * tn, kt * g)
-
-
-def ref_w4a16_matmul(x, q, scale, zero, *, out_dtype=None, **settings):
-    """x [M, K], q int4 [N, K] or tiled (``tile_weight``; uint4 values reread, see
-    as_int4), scale and zero f32 [N, K/G] -> [M, N] ``out_dtype`` (default x's
-    dtype). The weight as the kernel
+def ref_w4a16_matmul(x, q, scale, zero=None, *, out_dtype=None, **settings):
+    """x [M, K], q int4 [N, K] (uint4 values reread, see as_int4), scale and zero f32
+    [N, K/G] -> [M, N] ``out_dtype`` (default x's dtype). The weight as the kernel
     widens it: (q - z) exact, times the scale rounded to bf16, rounded to bf16 (one
     rounding: the product of an integer below 2^8 and a bf16 is exact in f32); the
     dot in f32."""
     del settings
-    q = untile_weight(q) if q.ndim == 4 else q
+    if zero is None:
+        scale, zero = unpack_scales(scale)
     k = q.shape[1]
     g = jnp.arange(k) // GROUP
     v = q.astype(jnp.float32)
@@ -92,18 +74,34 @@ def ref_w4a16_matmul(x, q, scale, zero, *, out_dtype=None, **settings):
     return y.astype(out_dtype or x.dtype)
 
 
+def pack_scales(scale, zero):
+    """f32 scale and zero point [N, K/G] -> bf16 [2 K/G, N], group j's scales in row
+    2j and its zero points in row 2j + 1 (the packed operand: a step's TMA copy reads
+    both as one [2, TN] box of whole rows, and no program copies or transposes a slab
+    first). The scale rounded to bf16 as the kernel rounds it; zero points (integers
+    below 256) exact."""
+    n, groups = scale.shape
+    return jnp.stack([scale.T, zero.T], 1).astype(jnp.bfloat16).reshape(2 * groups, n)
+
+
+def unpack_scales(packed):
+    """``pack_scales``' inverse: bf16 [2 K/G, N] -> f32 scale and zero [N, K/G]."""
+    p = packed.astype(jnp.float32)
+    return p[0::2].T, p[1::2].T
+
+
 def default_k_splits(n: int, k: int, tile_n: int, mp: int = MAX_M, stages: int = 4,
-                     gps: int = 1) -> int:
+                     packed: bool = False) -> int:
     """Splits of K so the programs cover the SMs several times (several programs an SM
     keep more weight bytes in flight): four times at 16 rows, where a program's tiles
     are small, twice above (more splits there write f32 partials that approach the
     weight's own bytes). The fewest that do among the splits leaving each a multiple
     of 4 groups (the scale slab's rows are copied in 16-byte units), at most 256
     (TMA's largest box) and a program within shared memory at ``mp`` rows, else the
-    most such splits; 0 if none."""
+    most such splits; 0 if none. Packed scales need no whole slabs: any divisor.""" 
     groups, tiles = k // GROUP, n // tile_n
-    fits = [s for s in range(1, groups + 1) if _split_fits(groups, s)
-            and smem_bytes(tile_n, mp, groups // s, stages, gps) <= common.SMEM_BYTES]
+    fits = [s for s in range(1, groups + 1) if _split_fits(groups, s, packed)
+            and smem_bytes(tile_n, mp, groups // s, stages, packed) <= common.SMEM_BYTES]
     if not fits:
         return 0
     want = (4 if mp <= 16 else 2) * common.num_sms()
@@ -111,17 +109,20 @@ def default_k_splits(n: int, k: int, tile_n: int, mp: int = MAX_M, stages: int =
     return enough[0] if enough else fits[-1]
 
 
-def _split_fits(groups: int, splits: int) -> bool:
-    return groups % splits == 0 and (groups // splits) % 4 == 0 and groups // splits <= 256
+def _split_fits(groups: int, splits: int, packed: bool = False) -> bool:
+    return groups % splits == 0 and (packed or (groups // splits) % 4 == 0
+                                     and groups // splits <= 256)
 
 
-def smem_bytes(tile_n: int, mp: int, per: int, stages: int, gps: int = 1) -> int:
+def smem_bytes(tile_n: int, mp: int, per: int, stages: int, packed: bool = False) -> int:
     """A program's shared memory: the two scale slabs (each twice: as copied and
-    transposed), then either the pipeline's weight and x tiles or, in their place once
-    the pipeline is done, the output tile, and 48 bytes of barriers (the kernel's
-    dynamic shared memory as Mosaic sizes it, seen in its dumps)."""
-    pipeline = stages * gps * (tile_n * GROUP // 2 + mp * GROUP * 2)
-    return 4 * tile_n * per * 4 + max(pipeline, tile_n * mp * 4) + 48
+    transposed; none with packed scales, a stage's [2, TN] instead), then either the
+    pipeline's tiles or, in their place once the pipeline is done, the output tile,
+    and 48 bytes of barriers (the kernel's dynamic shared memory as Mosaic sizes it,
+    seen in its dumps)."""
+    stage = tile_n * GROUP // 2 + mp * GROUP * 2 + (4 * tile_n if packed else 0)
+    slabs = 0 if packed else 4 * tile_n * per * 4
+    return slabs + max(stages * stage, tile_n * mp * 4) + 48
 
 
 def default_stages(mp: int) -> int:
@@ -144,50 +145,43 @@ def supported(n: int, k: int, tile_n: int = 128) -> bool:
 # compiled on its own (~0.9 s each on the GPU machine, 128 a decode step of an 8B
 # model, so minutes of warm-up), while identical calls through one jit compile once.
 @functools.partial(jax.jit, static_argnames=("out_dtype", "tile_n", "k_splits", "stages",
-                                             "out_rows", "early_scales", "groups_per_step",
-                                             "interpret"))
-def w4a16_matmul(x, q, scale, zero, *, out_dtype=None, tile_n=128, k_splits=None,
-                 stages=None, out_rows=None, early_scales=False, groups_per_step=1,
-                 interpret=False):
-    """Same contract as ``ref_w4a16_matmul``; the rest are kernel settings (`out_rows`:
-    the partials' layout, OUT_ROWS's by default; `early_scales`: see the kernel;
-    `groups_per_step`: groups a pipeline stage copies, so [N, K]'s TMA copies read
-    64 bytes a row times that). M <= 64."""
+                                             "out_rows", "interpret"))
+def w4a16_matmul(x, q, scale, zero=None, *, out_dtype=None, tile_n=128, k_splits=None,
+                 stages=None, out_rows=None, interpret=False):
+    """Same contract as ``ref_w4a16_matmul``, whose scale and zero point may also come
+    packed (``pack_scales``; zero None); the rest are kernel settings (`out_rows`: the
+    partials' layout, OUT_ROWS's by default). M <= 64."""
     m, k = x.shape
-    tiled = q.ndim == 4
-    n = q.shape[0] * q.shape[2] if tiled else q.shape[0]
-    if jnp.dtype(q.dtype) != jnp.int4 or q.shape != ((n // tile_n, k // GROUP, tile_n, GROUP)
-                                                     if tiled else (n, k)):
-        raise ValueError(f"weight {q.dtype} {q.shape}: int4 [N, {k}] or tiled for tile_n "
-                         f"{tile_n} (tile_weight) expected")
-    if scale.shape != (n, k // GROUP) or zero.shape != scale.shape or k % GROUP:
-        raise ValueError(f"scale {scale.shape} / zero {zero.shape}: [{n}, {k // GROUP}] "
-                         f"expected (K a multiple of {GROUP})")
+    n = q.shape[0]
+    packed = zero is None
+    if jnp.dtype(q.dtype) != jnp.int4 or q.shape != (n, k):
+        raise ValueError(f"weight {q.dtype} {q.shape}: int4 [N, {k}] expected")
+    if k % GROUP or (scale.shape != (2 * k // GROUP, n) if packed else
+                     (scale.shape != (n, k // GROUP) or zero.shape != scale.shape)):
+        want = f"packed [{2 * k // GROUP}, {n}]" if packed else f"[{n}, {k // GROUP}]"
+        raise ValueError(f"scale {scale.shape} / zero {None if packed else zero.shape}: "
+                         f"{want} expected (K a multiple of {GROUP})")
     if m > MAX_M or n % tile_n:
         raise ValueError(f"M {m} > {MAX_M} or N {n} not a multiple of {tile_n}")
     mp = max(16, common.next_pow2(m))
     out_rows = OUT_ROWS and ROWS if out_rows is None else out_rows
     stages = stages or default_stages(mp)
-    gps = groups_per_step
-    # a split's groups are a multiple of 4 (_split_fits), so 2 or 4 a stage divide them
-    if gps not in (1, 2, 4) or (tiled and gps != 1):
-        raise ValueError(f"groups_per_step {gps}: 1, 2 or 4 (1 with a tiled weight)")
-    splits = k_splits or default_k_splits(n, k, tile_n, mp, stages, gps)
+    splits = k_splits or default_k_splits(n, k, tile_n, mp, stages, packed)
     groups = k // GROUP
-    if not splits or not _split_fits(groups, splits):
-        raise ValueError(f"k_splits {splits}: must divide K's {groups} groups into "
-                         "multiples of 4, at most 256")
-    if smem_bytes(tile_n, mp, groups // splits, stages, gps) > common.SMEM_BYTES:
+    if not splits or not _split_fits(groups, splits, packed):
+        raise ValueError(f"k_splits {splits}: must divide K's {groups} groups" +
+                         ("" if packed else " into multiples of 4, at most 256"))
+    if smem_bytes(tile_n, mp, groups // splits, stages, packed) > common.SMEM_BYTES:
         raise ValueError(f"tile_n {tile_n}, {stages} stages, {groups // splits} groups a "
                          "split: over the shared memory of a program")
     # x goes in unpadded, its tiles [Mp, G] read past its M rows: TMA fills those rows
     # with zeros (a pad would be a kernel of its own at every call below 16 rows), the
     # interpreter with NaNs, so its runs also show that no row leaks into another.
-    out = _call(x.astype(jnp.bfloat16), q, scale.astype(jnp.float32),
-                zero.astype(jnp.float32), n=n, mp=mp, tile_n=tile_n, splits=splits,
-                per=groups // splits, stages=stages, out_rows=out_rows,
-                early_scales=early_scales, tiled=tiled, gps=gps, interpret=interpret)
-    y = out.sum(0)[:m] if out_rows else out.sum(0)[:, :m].T
+    scales = ((scale.astype(jnp.bfloat16),) if packed else
+              (scale.astype(jnp.float32), zero.astype(jnp.float32)))
+    out = _call(x.astype(jnp.bfloat16), q, *scales, n=n, m=m, mp=mp, tile_n=tile_n, splits=splits,
+                per=groups // splits, stages=stages, out_rows=out_rows, interpret=interpret)
+    y = out.sum(0) if out_rows else out.sum(0)[:, :m].T
     return y.astype(out_dtype or x.dtype)
 
 
@@ -197,78 +191,32 @@ def _transforms(minor_bits: int, elem_bits: int, what: str):
             plgpu.SwizzleTransform(swizzle))
 
 
-def _call(x, q, scale, zero, *, n, mp, tile_n, splits, per, stages, out_rows, early_scales,
-          tiled, gps, interpret):
+def _call(x, q, *scales, n, m, mp, tile_n, splits, per, stages, out_rows, interpret):
     q_tr = _transforms(GROUP * 4, 4, "weight")
     x_tr = _transforms(GROUP * 16, 16, "x")
-    row = plgpu.Layout.WGMMA.reduce(1)
     # Interpret mode's wgmma reads A from shared memory only and takes no transposed
     # refs, and its loads take no layouts: there the widened tile and x^T are stored
     # first (the GPU keeps the tile in registers and reads x's tile transposed).
     a_tr = _transforms(GROUP * 16, 16, "widened weight")
+    packed = len(scales) == 1
 
-    def load(ref, layout, optimized=True):
-        if interpret:
-            return ref[...]
-        return plgpu.load(ref, (), layout=layout, optimized=optimized)
-
-    def kernel(q_gmem, x_gmem, s_gmem, z_gmem, out_gmem, s_slab, z_slab, s_rows, z_rows, bar,
-               *a_smem):
+    def kernel(q_gmem, x_gmem, *refs):
         ni, si = lax.axis_index("n"), lax.axis_index("s")
-        chans, span = pl.ds(ni * tile_n, tile_n), pl.ds(si * per, per)   # of N; of K/G
-        plgpu.copy_gmem_to_smem(s_gmem.at[chans, span], s_slab, bar.at[0])
-        plgpu.copy_gmem_to_smem(z_gmem.at[chans, span], z_slab, bar.at[1])
+        chans = pl.ds(ni * tile_n, tile_n)                               # of N
+        if packed:
+            sz_gmem, out_gmem, *a_smem = refs
+        else:
+            s_gmem, z_gmem, out_gmem, *slab_refs = refs
+            scale_refs = _slabs(chans, si, s_gmem, z_gmem, *slab_refs[:5], tile_n=tile_n,
+                                per=per, interpret=interpret)
+            a_smem = slab_refs[5:]
 
-        def scales_ready():
-            plgpu.barrier_wait(bar.at[0])
-            plgpu.barrier_wait(bar.at[1])
-            # A step needs one group's column of each slab. jax 0.11's layout inference
-            # refuses that strided view, so there each slab is stored transposed once and
-            # a step reads a contiguous row; jax 0.10 cannot store to the transposed view
-            # (it flattens it) but reads the column.
-            if ROWS:
-                for slab, slab_t in ((s_slab, s_rows), (z_slab, z_rows)):
-                    if interpret:
-                        slab_t[...] = slab[...].T
-                    else:
-                        v = plgpu.load(slab, (), optimized=False,
-                                       layout=plgpu.Layout.WG_STRIDED((tile_n, per), 1))
-                        plgpu.transpose_ref(slab_t.at[:, :], (1, 0))[...] = v
-                plgpu.commit_smem()
-
-        # early_scales: the wait moves into the first step, after the pipeline has
-        # issued its first weight copies, so the two loads' latencies overlap.
-        if not early_scales:
-            scales_ready()
-
-        def step(idx, q_stage, x_stage, acc):
-            if early_scales:
-                pl.when(idx[0] == 0)(scales_ready)
-            for h in range(gps):         # a stage's groups, one wgmma each
-                cols = pl.ds(h * GROUP, GROUP)
-                group(idx[0] * gps + h, q_stage.at[:, cols], x_stage.at[:, cols], acc)
+        def step(idx, q_smem, x_smem, *rest):
+            *sz_smem, acc = rest
+            # packed: the stage's [2, TN] rows; else the slabs' rows (or columns)
+            s, z = (sz_smem[0].at[0], sz_smem[0].at[1]) if packed else scale_refs(idx[0])
+            _group(q_smem, x_smem, s, z, acc, a_smem, interpret=interpret)
             return acc
-
-        def group(j, q_smem, x_smem, acc):
-            # Flipping each nibble's top bit turns the reread q - 16 [q >= 8] into q - 8
-            # (one xor a register); the zero point takes the 8: q - z = (q - 8) - (z - 8).
-            w = (load(q_smem, plgpu.Layout.WGMMA_UPCAST_2X) ^ jnp.int4(-8)).astype(jnp.bfloat16)
-            if not interpret:
-                w = plgpu.layout_cast(w, plgpu.Layout.WGMMA)
-            zv, sv = (z_rows.at[j], s_rows.at[j]) if ROWS else (z_slab.at[:, j],
-                                                                  s_slab.at[:, j])
-            z = load(zv, row, optimized=False).astype(jnp.bfloat16) - 8
-            s = load(sv, row, optimized=False).astype(jnp.bfloat16)
-            w = (w - lax.broadcast_in_dim(z, w.shape, (0,))) * lax.broadcast_in_dim(
-                s, w.shape, (0,))
-            xt = plgpu.transpose_ref(x_smem, (1, 0))                     # x^T [G, Mp]
-            if a_smem:
-                a_smem[0][...] = w
-                a_smem[1][...] = x_smem[...].T
-                plgpu.commit_smem()
-                w, xt = a_smem
-            plgpu.wgmma(acc, w, xt)
-            plgpu.wgmma_wait(0)
 
         def epilogue(acc, tile):
             if not out_rows:
@@ -279,25 +227,25 @@ def _call(x, q, scale, zero, *, n, mp, tile_n, splits, per, stages, out_rows, ea
                 v = plgpu.layout_cast(acc[...], plgpu.Layout.WGMMA_TRANSPOSED)
                 plgpu.transpose_ref(tile.at[:, :], (1, 0))[...] = v
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(tile, out_gmem.at[si, :, chans] if out_rows
+            # [S, M, N]: of the tile's Mp rows only x's M leave (TMA copies any box)
+            plgpu.copy_smem_to_gmem(tile.at[pl.ds(0, m)] if out_rows else tile,
+                                    out_gmem.at[si, :, chans] if out_rows
                                     else out_gmem.at[si, chans])
             plgpu.wait_smem_to_gmem(0)
 
         def run(acc):
-            first = si * (per // gps)                      # in stages of gps groups
-            plgpu.emit_pipeline(
-                step, grid=(per // gps,), max_concurrent_steps=stages, init_carry=acc,
-                in_specs=[
-                    plgpu.BlockSpec((pl.squeezed, pl.squeezed, tile_n, GROUP),
-                                    lambda j: (ni, first + j, 0, 0), transforms=q_tr)
-                    if tiled else plgpu.BlockSpec((tile_n, gps * GROUP),
-                                                  lambda j: (ni, first + j), transforms=q_tr),
-                    plgpu.BlockSpec((mp, gps * GROUP), lambda j: (0, first + j),
-                                    transforms=x_tr),
-                ])(q_gmem, x_gmem)
+            first = si * per
+            specs = [plgpu.BlockSpec((tile_n, GROUP), lambda j: (ni, first + j),
+                                     transforms=q_tr),
+                     plgpu.BlockSpec((mp, GROUP), lambda j: (0, first + j), transforms=x_tr)]
+            if packed:
+                specs.append(plgpu.BlockSpec((2, tile_n), lambda j: (first + j, ni)))
+            plgpu.emit_pipeline(step, grid=(per,), max_concurrent_steps=stages,
+                                init_carry=acc, in_specs=specs)(
+                q_gmem, x_gmem, *([sz_gmem] if packed else []))
             # The partials leave through a shared-memory tile allocated after the
             # pipeline's buffers are freed (so in their place). With out_rows they are
-            # written [S, Mp, N] (the tile stored transposed, from registers relaid out
+            # written [S, M, N] (the tile stored transposed, from registers relaid out
             # as WGMMA_TRANSPOSED), whose sum over S XLA fuses into the consumer; as
             # [S, N, Mp] the sum is a reduce kernel of its own before a transpose.
             pl.run_scoped(functools.partial(epilogue, acc),
@@ -305,18 +253,72 @@ def _call(x, q, scale, zero, *, n, mp, tile_n, splits, per, stages, out_rows, ea
 
         pl.run_scoped(run, plgpu.ACC((tile_n, mp), jnp.float32))
 
-    scratch = [plgpu.SMEM((tile_n, per), jnp.float32), plgpu.SMEM((tile_n, per), jnp.float32),
-               plgpu.SMEM((per, tile_n), jnp.float32), plgpu.SMEM((per, tile_n), jnp.float32),
-               plgpu.Barrier(num_barriers=2)]
+    scratch = [] if packed else [
+        plgpu.SMEM((tile_n, per), jnp.float32), plgpu.SMEM((tile_n, per), jnp.float32),
+        plgpu.SMEM((per, tile_n), jnp.float32), plgpu.SMEM((per, tile_n), jnp.float32),
+        plgpu.Barrier(num_barriers=2)]
     if interpret:
         scratch += [plgpu.SMEM((tile_n, GROUP), jnp.bfloat16, transforms=a_tr),
                     plgpu.SMEM((GROUP, mp), jnp.bfloat16)]
     f = plgpu.kernel(
-        kernel, out_type=jax.ShapeDtypeStruct((splits, mp, n) if out_rows else (splits, n, mp),
+        kernel, out_type=jax.ShapeDtypeStruct((splits, m, n) if out_rows else (splits, n, mp),
                                               jnp.float32),
         grid=(n // tile_n, splits), grid_names=("n", "s"), scratch_types=scratch,
         interpret=_interpret_params() if interpret else None)
-    return f(q, x, scale, zero)
+    return f(q, x, *scales)
+
+
+def _group(q_smem, x_smem, s_ref, z_ref, acc, a_smem, *, interpret):
+    """acc[TN, Mp] += ((q - z) * s)[TN, G] @ x^T[G, Mp] for one group: s and z the
+    group's [TN] scales and zero points in shared memory (f32 or bf16)."""
+    row = plgpu.Layout.WGMMA.reduce(1)
+    if interpret:
+        w, z, s = q_smem[...], z_ref[...], s_ref[...]
+    else:
+        w = plgpu.load(q_smem, (), layout=plgpu.Layout.WGMMA_UPCAST_2X)
+        z = plgpu.load(z_ref, (), layout=row, optimized=False)
+        s = plgpu.load(s_ref, (), layout=row, optimized=False)
+    # Flipping each nibble's top bit turns the reread q - 16 [q >= 8] into q - 8 (one
+    # xor a register); the zero point takes the 8: q - z = (q - 8) - (z - 8).
+    w = (w ^ jnp.int4(-8)).astype(jnp.bfloat16)
+    if not interpret:
+        w = plgpu.layout_cast(w, plgpu.Layout.WGMMA)
+    z, s = z.astype(jnp.bfloat16) - 8, s.astype(jnp.bfloat16)
+    w = (w - lax.broadcast_in_dim(z, w.shape, (0,))) * lax.broadcast_in_dim(s, w.shape, (0,))
+    xt = plgpu.transpose_ref(x_smem, (1, 0))                             # x^T [G, Mp]
+    if a_smem:
+        a_smem[0][...] = w
+        a_smem[1][...] = x_smem[...].T
+        plgpu.commit_smem()
+        w, xt = a_smem
+    plgpu.wgmma(acc, w, xt)
+    plgpu.wgmma_wait(0)
+
+
+def _slabs(chans, si, s_gmem, z_gmem, s_slab, z_slab, s_rows, z_rows, bar, *, tile_n, per,
+           interpret):
+    """Unpacked scales: the program's [TN, P] slab of each copied once into shared
+    memory; returns j -> group j's (scale, zero point) refs."""
+    span = pl.ds(si * per, per)                                          # of K/G
+    plgpu.copy_gmem_to_smem(s_gmem.at[chans, span], s_slab, bar.at[0])
+    plgpu.copy_gmem_to_smem(z_gmem.at[chans, span], z_slab, bar.at[1])
+    plgpu.barrier_wait(bar.at[0])
+    plgpu.barrier_wait(bar.at[1])
+    # A step needs one group's column of each slab. jax 0.11's layout inference refuses
+    # that strided view, so there each slab is stored transposed once and a step reads
+    # a contiguous row; jax 0.10 cannot store to the transposed view (it flattens it)
+    # but reads the column.
+    if not ROWS:
+        return lambda j: (s_slab.at[:, j], z_slab.at[:, j])
+    for slab, slab_t in ((s_slab, s_rows), (z_slab, z_rows)):
+        if interpret:
+            slab_t[...] = slab[...].T
+        else:
+            v = plgpu.load(slab, (), optimized=False,
+                           layout=plgpu.Layout.WG_STRIDED((tile_n, per), 1))
+            plgpu.transpose_ref(slab_t.at[:, :], (1, 0))[...] = v
+    plgpu.commit_smem()
+    return lambda j: (s_rows.at[j], z_rows.at[j])
 
 
 def _interpret_params():

@@ -20,7 +20,8 @@ weight typed uint4, which XLA's Triton GEMMs read packed), the Triton kernel
 (pallas_w4) and the Mosaic GPU kernel on the same bytes (mgpu_w4:
 pallas_kernels/w4a16_mgpu.py, Hopper only; its error is against the checkpoint's f32
 reference, so it includes the bf16 scales: 2.5e-3 for its twin on o's shape on a CPU;
-mgpu_w4_tiled: the same on the weight stored tiled, w4a16_mgpu.tile_weight).
+mgpu_w4_packed: the same with the scales packed, w4a16_mgpu.pack_scales, outside the
+timing).
 Rows then also print the weight's GB/s (weight and scales over the run time), and the
 Pallas rows the kernel's largest error against its plain-jnp reference
 on the same inputs (relative to the largest output), so the kernels' first runs on a
@@ -86,7 +87,7 @@ VARIANTS = {"default": {}, "no_triton": {"xla_gpu_enable_triton_gemm": False},
             "exhaustive": {"xla_gpu_exhaustive_tiling_search": True}}
 STORE = {"fp8": jnp.float8_e4m3fn, "int8": jnp.int8}
 PALLAS_KINDS = ("pallas_fp8", "pallas_int8", "xla_w4", "pallas_w4", "xla_u4", "mgpu_w4",
-                "mgpu_w4_tiled")
+                "mgpu_w4_packed")
 W4_GROUP = 128
 # Block-scaled fp8 (native FP8 checkpoints, 128x128 blocks; scales repeated per row).
 BLOCK = 128
@@ -192,6 +193,14 @@ def mgpu_w4(settings: dict):
     return f
 
 
+def mgpu_w4_packed(settings: dict):
+    """The same with the scales packed (args: x, weight, packed, and the f32 scales and
+    zero points it came from, which only the error check reads)."""
+    def f(x, wq, packed, s, z):
+        return w4a16_mgpu.w4a16_matmul(x, w4a16_mgpu.as_int4(wq), packed, **settings)
+    return f
+
+
 def xla_u4(x, wq, s, z):
     """W4A16 through XLA with the weight typed uint4 (XLA stores it two to a byte and
     its Triton GEMMs read such weights in place), group scales and zeros in bf16."""
@@ -229,10 +238,10 @@ def pallas_error(kind, args, settings) -> float:
     if kind == "pallas_block_fp8":
         got = qmm.quant_matmul(*args[:2], None, args[2], out_dtype=jnp.float32, **settings)
         want = qmm.ref_quant_matmul(*args[:2], None, args[2], out_dtype=jnp.float32)
-    elif kind in ("pallas_w4", "mgpu_w4", "mgpu_w4_tiled"):
-        got = (w4(True, settings) if kind == "pallas_w4" else mgpu_w4(settings))(*args)
-        x, wq, s, z = args
-        wq = w4a16_mgpu.untile_weight(wq) if wq.ndim == 4 else wq
+    elif kind in ("pallas_w4", "mgpu_w4", "mgpu_w4_packed"):
+        got = {"pallas_w4": lambda: w4(True, settings), "mgpu_w4": lambda: mgpu_w4(settings),
+               "mgpu_w4_packed": lambda: mgpu_w4_packed(settings)}[kind]()(*args)
+        x, wq, s, z = args[:2] + args[-2:]
         want = qmm.ref_quant_matmul_int4(x, wq, s, z, group=W4_GROUP)
     else:
         x, wq, ws = args
@@ -260,10 +269,9 @@ def case_args(kind, m, n, k, key, settings=None):
         return xla_u4, u4_args(x, n, k, kw)
     if kind == "mgpu_w4":
         return mgpu_w4(settings or {}), w4_args(x, n, k, kw)
-    if kind == "mgpu_w4_tiled":     # the weight stored tiled (tile_weight), outside the timing
+    if kind == "mgpu_w4_packed":    # scales packed (pack_scales) outside the timing
         x, wq, s, z = w4_args(x, n, k, kw)
-        wq = w4a16_mgpu.tile_weight(wq, (settings or {}).get("tile_n", 128))
-        return mgpu_w4(settings or {}), (x, wq, s, z)
+        return mgpu_w4_packed(settings or {}), (x, wq, w4a16_mgpu.pack_scales(s, z), s, z)
     if kind in BLOCK_KINDS:
         wq = (jax.random.normal(kw, (n, k), jnp.float32) * 100).astype(jnp.float8_e4m3fn)
         ws = jax.random.uniform(kx, (n, k // BLOCK), jnp.float32, 1e-4, 4e-4)
@@ -308,7 +316,8 @@ def case(kind, m, n, k, options, key, settings=None, copies=1):
          "tflops": round(2 * m * n * k / us / 1e6, 1)}
     # The weight and its scales, read once a call: what bounds the small-M rows.
     # (numpy counts a uint4 element as a byte; XLA stores two to a byte)
-    nbytes = sum(a.size // 2 if a.dtype == jnp.uint4 else a.nbytes for a in args[1:])
+    read = args[1:3] if kind == "mgpu_w4_packed" else args[1:]   # not the f32 originals
+    nbytes = sum(a.size // 2 if a.dtype == jnp.uint4 else a.nbytes for a in read)
     r["weight_gbps"] = round(nbytes / us / 1e3, 1)
     if kind.startswith(("pallas", "mgpu")):
         r["max_rel_err"] = pallas_error(kind, args, settings or {})

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from jaxllm.layers.quantization import int4_layout
 from jaxllm.layers.quantization.schemes import (CHECKPOINT_ALIASES, CHECKPOINT_METHODS,
                                                 ONLINE_ALIASES, ONLINE_METHODS, ActScheme,
                                                 LinearScheme, QuantConfig, online_scheme,
@@ -76,10 +75,6 @@ def resolve_for_tp(hf: dict | None, flag: str | None, arch, source: str, tp: int
     quant = resolve_quantization(hf, flag, arch.num_layers, source, dummy=dummy)
     if quant is not None and arch.num_kv_heads % tp:
         quant = dataclasses.replace(quant, schemes=unfuse_qkv(quant.schemes))
-    if quant is not None and int4_layout.wanted(tp):
-        quant = dataclasses.replace(quant, schemes=tuple(
-            (m, dataclasses.replace(s, tiled=True) if int4_layout.tileable(s) else s)
-            for m, s in quant.schemes))
     return quant
 
 

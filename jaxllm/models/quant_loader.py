@@ -15,7 +15,6 @@ import math
 
 import numpy as np
 
-from jaxllm.layers.quantization import int4_layout
 from jaxllm.layers.quantization.rotation import rotate
 from jaxllm.layers.quantization.schemes import (FP8_MAX, HF_PARTS, INT8_MAX, QKV,
                                                 LinearScheme, QuantConfig)
@@ -212,9 +211,6 @@ class QuantWeights:
             q = pack_nibbles(q)
         stored = in_shape[:-1] + (in_shape[-1] // 2,) if scheme.weight == "uint4" else in_shape
         q = q.reshape(out_shape + stored)
-        n = math.prod(out_shape)
-        if int4_layout.is_tiled(scheme, n, math.prod(in_shape)):
-            q = int4_layout.tile_stored(q, n)
         groups = got[0][1].shape[-1]
         arrays = {"weight": q,
                   "weight_scale": join(1).reshape(out_shape + (groups,)),

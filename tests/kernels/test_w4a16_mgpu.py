@@ -4,8 +4,6 @@ the twin, and its lowering for CUDA (Mosaic's layout inference runs there, on th
 CPU)."""
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -62,8 +60,7 @@ def test_twin_matches_the_checkpoint_reference():
     (16, 128, 1024, dict(k_splits=2, tile_n=64)),
     (33, 64, 512, dict(tile_n=64, stages=2)),
     (64, 128, 1536, dict(k_splits=3)),
-    (5, 256, 1024, dict(k_splits=2, early_scales=True)),
-    (16, 128, 2048, dict(k_splits=4, early_scales=True, out_rows=True)),
+    (16, 128, 2048, dict(k_splits=4, out_rows=True)),
 ], ids=str)
 def test_kernel_matches_twin_interpret(m, n, k, settings):
     wu8, s, z = _checkpoint(n, k, seed=m)
@@ -80,24 +77,22 @@ def test_kernel_matches_twin_interpret(m, n, k, settings):
 def test_both_scale_reads_interpret(monkeypatch, rows):
     """A step reads its group's scales as the slab's column (jax 0.10) or as a row of
     the slab stored transposed (jax 0.11, where CI cannot lower it): both give the
-    twin's numbers, with the scales made ready before the pipeline or in its first
-    step (early_scales)."""
+    twin's numbers."""
     monkeypatch.setattr(w4, "ROWS", rows)
     w4.w4a16_matmul.clear_cache()       # else the other case's trace serves this one
     wu8, s, z = _checkpoint(128, 1024, seed=7)
     args = (_x(16, 1024, seed=8), w4.as_int4(wu8), s, z)
     want = w4.ref_w4a16_matmul(*args, out_dtype=jnp.float32)
-    for early in (False, True):
-        got = w4.w4a16_matmul(*args, out_dtype=jnp.float32, interpret=True, k_splits=2,
-                              early_scales=early)
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0,
-                                   atol=1e-4 * float(jnp.max(jnp.abs(want))))
+    got = w4.w4a16_matmul(*args, out_dtype=jnp.float32, interpret=True, k_splits=2)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0,
+                               atol=1e-4 * float(jnp.max(jnp.abs(want))))
 
 
 @pytest.mark.parametrize("m,splits", [(3, 2), (16, 4), (40, 1)])
 def test_both_output_layouts_interpret(m, splits):
-    """The partials written [S, N, Mp] or [S, Mp, N] (out_rows: the tile stored
-    transposed) sum to the twin's numbers, also for rows below Mp."""
+    """The partials written [S, N, Mp] or [S, M, N] (out_rows: the tile stored
+    transposed, only x's M rows of it copied out) sum to the twin's numbers, also for
+    rows below Mp."""
     wu8, s, z = _checkpoint(256, 2048, seed=9)
     args = (_x(m, 2048, seed=10), w4.as_int4(wu8), s, z)
     want = w4.ref_w4a16_matmul(*args, out_dtype=jnp.float32)
@@ -108,49 +103,34 @@ def test_both_output_layouts_interpret(m, splits):
                                    atol=1e-4 * float(jnp.max(jnp.abs(want))))
 
 
-@pytest.mark.parametrize("m,n,k,settings", [(5, 256, 1024, dict(k_splits=2)),
-                                             (16, 256, 2048, dict(tile_n=64, k_splits=4))],
-                         ids=str)
-def test_tiled_weight_interpret(m, n, k, settings):
-    """The weight stored tiled (each step's tile one contiguous block): the same bytes
-    rearranged, tiled from the bytes or from int4 alike, and the kernel's result on it
-    equals its result on [N, K] exactly and the twin's on either."""
-    wu8, s, z = _checkpoint(n, k, seed=11)
-    tn = settings.get("tile_n", 128)
-    q, qt = w4.as_int4(wu8), w4.as_int4(w4.tile_weight(wu8, tn))
-    assert qt.shape == (n // tn, k // G, tn, G)
-    np.testing.assert_array_equal(np.asarray(w4.tile_weight(q, tn)), np.asarray(qt))
-    np.testing.assert_array_equal(np.asarray(w4.untile_weight(qt)), np.asarray(q))
-    # tile (i, j) is the weight's rows i*TN.. and group j's columns
-    np.testing.assert_array_equal(np.asarray(qt[1, 2]), np.asarray(q[tn:2 * tn, 2 * G:3 * G]))
-    x = _x(m, k, seed=12)
-    plain = w4.w4a16_matmul(x, q, s, z, out_dtype=jnp.float32, interpret=True, **settings)
-    got = w4.w4a16_matmul(x, qt, s, z, out_dtype=jnp.float32, interpret=True, **settings)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(plain))
-    want = w4.ref_w4a16_matmul(x, qt, s, z, out_dtype=jnp.float32)
-    np.testing.assert_array_equal(np.asarray(want),
-                                  np.asarray(w4.ref_w4a16_matmul(x, q, s, z,
-                                                                 out_dtype=jnp.float32)))
+@pytest.mark.parametrize("m,splits,out_rows", [(1, 4, True), (5, 3, True), (16, 1, True),
+                                               (40, 2, True), (3, 6, False)], ids=str)
+def test_packed_scales_interpret(m, splits, out_rows):
+    """Scales packed (pack_scales: bf16 [2 K/G, N], a step's [2, TN] rows copied by
+    its pipeline) give exactly the slabs' result, at splits of any number of groups
+    (no whole 4-group slabs needed: 3 and 6 of 12 groups); the twin takes them too."""
+    wu8, s, z = _checkpoint(256, 12 * G, seed=15)
+    x, q = _x(m, 12 * G, seed=16), w4.as_int4(wu8)
+    packed = w4.pack_scales(s, z)
+    assert packed.shape == (24, 256) and packed.dtype == jnp.bfloat16
+    # row 2j group j's scales (rounded to bf16), row 2j + 1 its zero points
+    np.testing.assert_array_equal(np.asarray(packed[5], np.float32), np.asarray(z[:, 2]))
+    np.testing.assert_array_equal(np.asarray(packed[4]),
+                                  np.asarray(s[:, 2].astype(jnp.bfloat16)))
+    back = w4.unpack_scales(packed)
+    np.testing.assert_array_equal(np.asarray(back[1]), np.asarray(z))
+    want = w4.ref_w4a16_matmul(x, q, s, z, out_dtype=jnp.float32)
+    np.testing.assert_array_equal(np.asarray(w4.ref_w4a16_matmul(x, q, packed,
+                                                                 out_dtype=jnp.float32)),
+                                  np.asarray(want))
+    got = w4.w4a16_matmul(x, q, packed, out_dtype=jnp.float32, interpret=True,
+                          k_splits=splits, out_rows=out_rows)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0,
                                atol=1e-4 * float(jnp.max(jnp.abs(want))))
-    with pytest.raises(ValueError, match="tiled for tile_n 64"):   # tiled for 128
-        w4.w4a16_matmul(x, w4.as_int4(w4.tile_weight(wu8, 128)), s, z, tile_n=64)
-
-
-@pytest.mark.parametrize("gps,splits", [(2, 2), (4, 1)])
-def test_groups_per_step_interpret(gps, splits):
-    """Stages of 2 or 4 groups (each TMA copy reading 128 or 256 bytes of a row), one
-    wgmma a group: the twin's numbers, at 1 and 2 stages' worth of steps a split."""
-    wu8, s, z = _checkpoint(256, 1024, seed=13)
-    args = (_x(5, 1024, seed=14), w4.as_int4(wu8), s, z)
-    want = w4.ref_w4a16_matmul(*args, out_dtype=jnp.float32)
-    got = w4.w4a16_matmul(*args, out_dtype=jnp.float32, interpret=True, k_splits=splits,
-                          groups_per_step=gps, stages=2)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0,
-                               atol=1e-4 * float(jnp.max(jnp.abs(want))))
-    for bad in (3, 8):
-        with pytest.raises(ValueError, match="groups_per_step"):
-            w4.w4a16_matmul(*args, k_splits=splits, groups_per_step=bad)
+    if (12 // splits) % 4 == 0:            # whole slabs: the slabs take these splits too
+        slab = w4.w4a16_matmul(x, q, s, z, out_dtype=jnp.float32, interpret=True,
+                               k_splits=splits, out_rows=out_rows)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(slab))
 
 
 def test_call_sites_share_one_trace(monkeypatch):
@@ -184,6 +164,11 @@ def test_bad_operands_are_refused():
         w4.w4a16_matmul(_x(65, 512), q, s, z)
     with pytest.raises(ValueError, match="k_splits"):
         w4.w4a16_matmul(_x(4, 512), q, s, z, k_splits=2)
+    packed = w4.pack_scales(s, z)
+    with pytest.raises(ValueError, match=r"packed \[8, 128\]"):
+        w4.w4a16_matmul(_x(4, 512), q, packed.T)
+    with pytest.raises(ValueError, match="k_splits 3: must divide K's 4 groups\n"):
+        w4.w4a16_matmul(_x(4, 512), q, packed, k_splits=3)
 
 
 def test_default_splits_cover_the_sms_in_whole_slabs():
@@ -227,17 +212,10 @@ def test_lowers_for_cuda(m, n, k):
     text = lower_for_cuda(w4.w4a16_matmul, *args)
     assert "mosaic_gpu" in text
     # x goes to the kernel as it is, its tiles read past M (TMA fills zeros): no pad;
-    # by default on jax >= 0.11 the partials come out [S, Mp, N], with no transpose
+    # by default on jax >= 0.11 the partials come out [S, M, N], with no transpose
     assert "stablehlo.pad" not in text
     assert ("stablehlo.transpose" in text) != (w4.OUT_ROWS and w4.ROWS)
-    # the first step waiting for the scales; on jax >= 0.11 the partials [S, Mp, N] too
-    # (their tile stored transposed), which leaves no transpose to XLA
-    kw = dict(early_scales=True, out_rows=w4.ROWS)
-    text = lower_for_cuda(functools.partial(w4.w4a16_matmul, **kw), *args)
-    assert "mosaic_gpu" in text and ("stablehlo.transpose" in text) != w4.ROWS
-    # the weight stored tiled: its step tiles are 4-d TMA boxes of contiguous bytes
-    tiled = (args[0], SD((n // 128, k // G, 128, G), jnp.int4), *args[2:])
-    assert "mosaic_gpu" in lower_for_cuda(w4.w4a16_matmul, *tiled)
-    # two groups a stage: a stage's tiles sliced per group at the swizzle tiles' seams
-    two = functools.partial(w4.w4a16_matmul, groups_per_step=2, stages=2)
-    assert "mosaic_gpu" in lower_for_cuda(two, *args)
+    # packed scales: [2, TN] rows of bf16 a pipeline step, read with the row layout
+    packed = (*args[:2], SD((2 * k // G, n), jnp.bfloat16))
+    text = lower_for_cuda(w4.w4a16_matmul, *packed)
+    assert "mosaic_gpu" in text and "stablehlo.pad" not in text

@@ -23,7 +23,6 @@ import numpy as np
 from flax import nnx
 
 from jaxllm.env_switch import env_switch
-from jaxllm.layers.quantization import int4_layout
 from jaxllm.layers.quantization.rotation import block_size, hadamard, rotate
 from jaxllm.layers.quantization.schemes import FP8_MAX, INT8_MAX, ActScheme, LinearScheme
 from pallas_kernels.common import is_hopper, target_platform, to_f16
@@ -234,20 +233,18 @@ def int4_kernel_matmul(x, wq, scale, zero, scheme: LinearScheme, nk: int,
                        interpret: bool = False):
     """grouped_dequant_matmul's contract through the fused kernel: the projection's
     dims flattened to [T, K] x [N, K/2] (two nibbles a byte along the last K dim, so
-    flattening keeps each pair; tiled bytes: int4_layout) -> [T, N...] in x's dtype."""
+    flattening keeps each pair) -> [T, N...] in x's dtype."""
     from pallas_kernels.quant_matmul import quant_matmul_int4   # Triton lowering, lazily
     t = x.shape[0]
     xf = x.reshape(t, -1)
     out = wq.shape[:wq.ndim - nk]
     n = math.prod(out)
-    tiled = int4_layout.is_tiled(scheme, n, xf.shape[1])
     wq, scale, zero = wq.reshape(n, -1), scale.reshape(n, -1), zero.reshape(n, -1)
     if use_mosaic_int4(scheme, n, xf.shape[1], x.dtype):
         from pallas_kernels.w4a16_mgpu import as_int4, w4a16_matmul   # Mosaic GPU, lazily
-        q = as_int4(int4_layout.kernel_view(wq) if tiled else wq)
-        y = w4a16_matmul(xf, q, scale, zero, out_dtype=x.dtype, interpret=interpret)
+        y = w4a16_matmul(xf, as_int4(wq), scale, zero, out_dtype=x.dtype, interpret=interpret)
     else:
-        y = quant_matmul_int4(xf, int4_layout.natural(wq, 1) if tiled else wq, scale, zero,
+        y = quant_matmul_int4(xf, wq, scale, zero,
                               group=scheme.group, out_dtype=x.dtype, interpret=interpret)
     return y.reshape(t, *out)
 
@@ -377,7 +374,6 @@ class QuantLinear(nnx.Module):
         if s.group is not None and use_int4_kernel(s, x.shape[0], tp):
             y = int4_kernel_matmul(x, w, ws, self.weight_zero_point[...], s, self.nk)
         elif s.group is not None:
-            w = int4_layout.in_row_order(w, s, self.nk)
             y = grouped_dequant_matmul(x, w, ws, self.weight_zero_point[...],
                                        self.g_idx[...] if s.g_idx else None, s, self.nk)
         elif s.block is not None and use_block_fp8_kernel(s, x.shape[0], tp):

@@ -58,9 +58,7 @@ class LinearScheme:
     whose weight_zero_point tensors are then required (GPTQ and AWQ always store
     theirs; symmetric pack-quantized weights take the midpoint).
     rotate: the largest block of the Hadamard rotation applied to the weight's K at
-    load and to the input in the layer (rotation.py; online int8), 0 = none.
-    tiled: uint4 bytes stored in the Mosaic kernel's tile order where it takes the
-    projection's shape (int4_layout.py; JAXLLM_INT4_TILED)."""
+    load and to the input in the layer (rotation.py; online int8), 0 = none."""
     weight: str
     block: tuple[int, int] | None = None
     act: ActScheme | None = None
@@ -68,7 +66,6 @@ class LinearScheme:
     g_idx: bool = False
     rotate: int = 0
     zero_point: bool = False
-    tiled: bool = False
 
     def __post_init__(self):
         if self.weight not in WEIGHT_DTYPES:
