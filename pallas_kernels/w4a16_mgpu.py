@@ -98,9 +98,11 @@ def default_k_splits(n: int, k: int, tile_n: int, mp: int = MAX_M, stages: int =
     weight's own bytes). The fewest that do among the splits leaving each a multiple
     of 4 groups (the scale slab's rows are copied in 16-byte units), at most 256
     (TMA's largest box) and a program within shared memory at ``mp`` rows, else the
-    most such splits; 0 if none. Packed scales need no whole slabs: any divisor.""" 
+    most such splits; 0 if none. Packed scales need no whole slabs, but a split keeps
+    at least 4 groups (on an H100 o's 32 splits of one group took 11.9 us at 16 rows
+    against 10.5 with 8 of 4)."""
     groups, tiles = k // GROUP, n // tile_n
-    fits = [s for s in range(1, groups + 1) if _split_fits(groups, s, packed)
+    fits = [s for s in range(1, groups // 4 + 1) if _split_fits(groups, s, packed)
             and smem_bytes(tile_n, mp, groups // s, stages, packed) <= common.SMEM_BYTES]
     if not fits:
         return 0

@@ -55,8 +55,14 @@ def compile_cut(args, layers: int, shapes: list) -> dict:
 
     from jaxllm import LLM
     from jaxllm.runner import aot
+    from jaxllm.layers.quantization import int4_kernels
+    from pallas_kernels.common import is_hopper
     with open(args.target) as f:
         mesh = aot.target_mesh(f.read())
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        hopper = is_hopper()
+    # the loader stores uint4 scales for the target's GPU (packed on Hopper), not this CPU
+    int4_kernels.is_hopper = lambda: hopper
     llm = LLM(cut_model(args.model, layers), load_format="dummy", dtype="bfloat16",
               max_model_len=2048, max_num_seqs=256, max_num_batched_tokens=8192,
               enforce_eager=True, num_gpu_blocks_override=512,

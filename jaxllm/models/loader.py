@@ -217,14 +217,14 @@ def dummy_state(arch: ArchConfig, dtype, shardings: Callable, seed: int = 0, qua
 def _dummy_array(key, *, shape, dtype, fill):
     import jax
     import jax.numpy as jnp
-    if fill == "ones":
-        return jnp.ones(shape, dtype)
-    if fill == "zeros":
-        return jnp.zeros(shape, dtype)
+    if fill in ("ones", "zeros"):
+        return (jnp.ones if fill == "ones" else jnp.zeros)(shape, dtype)
     if isinstance(fill, tuple):    # quant_loader.dummy_fill's
         kind, value = fill
         if kind == "const":
             return jnp.full(shape, value, dtype)
+        if kind == "packed":      # int4_kernels.py: scales in even rows, zero points (8) odd
+            return jnp.tile(jnp.asarray([[value], [8.0]], dtype), (shape[0] // 2, shape[1]))
         lo = 0.0 if kind == "bytes" else -value
         return jnp.round(jax.random.uniform(key, shape, jnp.float32, lo, value)).astype(dtype)
     return jax.random.uniform(key, shape, dtype, -0.035, 0.035)
@@ -330,8 +330,9 @@ def load_hf_folder(folder: str, dtype_name: str, shardings: Callable,
     from jaxllm.models.quant_loader import check_float_tensors, kv_cache_scales
     hf = read_hf_config(folder)
     arch = arch_from_hf_config(hf, os.path.join(folder, "config.json"))
-    quant = resolve_for_tp(hf, quantization, arch, os.path.join(folder, "config.json"), tp)
     dtype = resolve_dtype(dtype_name, hf.get("torch_dtype") or hf.get("dtype"))
+    quant = resolve_for_tp(hf, quantization, arch, os.path.join(folder, "config.json"), tp,
+                           dtype=dtype)
     reader = SafetensorsReader(folder)
     if arch.tie_word_embeddings is False and not reader.has("lm_head.weight"):
         raise CheckpointError(f"{folder}: missing tensor lm_head.weight "
@@ -382,7 +383,7 @@ def _load_model(path, dtype_name, load_format, shardings, seed, quantization, tp
         # GGUF weights are quantized: dequantize to float32 unless a dtype is asked.
         dtype = resolve_dtype(dtype_name, "float32")
         quant = resolve_for_tp(None, quantization, arch, path, tp,
-                               dummy=load_format == "dummy")
+                               dummy=load_format == "dummy", dtype=dtype)
         if load_format == "dummy":
             return LoadedModel(arch, *dummy_state(arch, dtype, shardings, seed, quant),
                                path, quant)
@@ -391,8 +392,8 @@ def _load_model(path, dtype_name, load_format, shardings, seed, quantization, tp
     if load_format == "dummy":
         hf = read_hf_config(path)
         arch = arch_from_hf_config(hf, os.path.join(path, "config.json"))
-        quant = resolve_for_tp(hf, quantization, arch, os.path.join(path, "config.json"),
-                               tp, dummy=True)
         dtype = resolve_dtype(dtype_name, hf.get("torch_dtype") or hf.get("dtype"))
+        quant = resolve_for_tp(hf, quantization, arch, os.path.join(path, "config.json"),
+                               tp, dummy=True, dtype=dtype)
         return LoadedModel(arch, *dummy_state(arch, dtype, shardings, seed, quant), path, quant)
     return load_hf_folder(path, dtype_name, shardings, quantization, tp)

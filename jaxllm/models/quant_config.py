@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
+from jaxllm.layers.quantization import int4_kernels
 from jaxllm.layers.quantization.schemes import (CHECKPOINT_ALIASES, CHECKPOINT_METHODS,
                                                 ONLINE_ALIASES, ONLINE_METHODS, ActScheme,
                                                 LinearScheme, QuantConfig, online_scheme,
@@ -68,13 +69,19 @@ def resolve_quantization(hf: dict | None, flag: str | None, num_layers: int,
 
 
 def resolve_for_tp(hf: dict | None, flag: str | None, arch, source: str, tp: int,
-                   dummy: bool = False) -> QuantConfig | None:
+                   dummy: bool = False, dtype=None) -> QuantConfig | None:
     """resolve_quantization for a model split over `tp` devices. A fused qkv_proj is
     split by KV head, so where `tp` does not divide them q_proj and kv_proj stay
-    apart: q split by query head, k/v replicated (as in the float model)."""
+    apart: q split by query head, k/v replicated (as in the float model). With the
+    model's `dtype`, uint4 schemes the Mosaic kernel runs store their scales packed
+    (int4_kernels.py)."""
     quant = resolve_quantization(hf, flag, arch.num_layers, source, dummy=dummy)
     if quant is not None and arch.num_kv_heads % tp:
         quant = dataclasses.replace(quant, schemes=unfuse_qkv(quant.schemes))
+    if quant is not None and int4_kernels.wanted(tp, dtype):
+        quant = dataclasses.replace(quant, schemes=tuple(
+            (m, dataclasses.replace(s, packed=True) if int4_kernels.packable(s) else s)
+            for m, s in quant.schemes))
     return quant
 
 

@@ -15,6 +15,7 @@ import math
 
 import numpy as np
 
+from jaxllm.layers.quantization import int4_kernels
 from jaxllm.layers.quantization.rotation import rotate
 from jaxllm.layers.quantization.schemes import (FP8_MAX, HF_PARTS, INT8_MAX, QKV,
                                                 LinearScheme, QuantConfig)
@@ -215,6 +216,9 @@ class QuantWeights:
         arrays = {"weight": q,
                   "weight_scale": join(1).reshape(out_shape + (groups,)),
                   "weight_zero_point": join(2).reshape(out_shape + (groups,))}
+        if int4_kernels.is_packed(scheme, math.prod(out_shape), math.prod(in_shape)):
+            arrays["weight_scale"] = int4_kernels.pack(arrays["weight_scale"],
+                                                       arrays.pop("weight_zero_point"))
         if scheme.g_idx:      # the parts' act orders are equal (_check)
             arrays["g_idx"] = got[0][3]
         return arrays
@@ -300,7 +304,8 @@ def check_float_tensors(reader, quant: QuantConfig | None, source: str) -> None:
 def dummy_fill(name: str, dtype, quant: QuantConfig | None = None) -> tuple[str, float] | None:
     """(fill, value) of a quantized parameter's random stand-in: fp8 / int8 weights
     uniform in +-127 and scales 0.035 / 127, so weight * scale spans +-0.035 like the
-    float dummy weights (uint4: random bytes, zero 8); None for float parameters."""
+    float dummy weights (uint4: random bytes, zero 8, also packed with the scales);
+    None for float parameters."""
     import jax.numpy as jnp
     leaf = [p for p in name.split(".") if p and p != "value"][-1]
     if np.dtype(dtype) in (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.int8)):
@@ -311,6 +316,8 @@ def dummy_fill(name: str, dtype, quant: QuantConfig | None = None) -> tuple[str,
         return "const", 8.0
     if leaf == "azp_adj":     # the sums of weights uniform in +-127: zero on average
         return "const", 0.0
+    if leaf == "weight_scale" and np.dtype(dtype) == np.dtype(jnp.bfloat16):
+        return "packed", 0.035 / 8                # int4_kernels.py: scale rows, zero rows 8
     if leaf == "weight_scale":
         module = ".".join([p for p in name.split(".") if p and p != "value"][:-1])
         scheme = quant.scheme(module) if quant is not None else None

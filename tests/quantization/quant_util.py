@@ -285,7 +285,7 @@ def hf_greedy(model, prompts, n: int):
 
 def jaxllm_greedy(folder: str, prompts, n: int, **kwargs):
     from jaxllm import LLM, SamplingParams
-    llm = LLM(folder, dtype="float32", max_model_len=128, max_num_seqs=4,
+    llm = LLM(folder, dtype=kwargs.pop("dtype", "float32"), max_model_len=128, max_num_seqs=4,
               max_num_batched_tokens=64, enforce_eager=True, cpu_kv_cache_bytes=8 << 20,
               **kwargs)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],

@@ -10,32 +10,32 @@ import numpy as np
 import pytest
 from cuda_lowering import lower_for_cuda
 
-from jaxllm.layers.quantization import linear
+from jaxllm.layers.quantization import int4_kernels, linear
 from jaxllm.layers.quantization.schemes import LinearScheme
 
 G128 = LinearScheme("uint4", group=128)
 
 
 def test_mosaic_only_where_it_applies(monkeypatch):
-    monkeypatch.setattr(linear, "is_hopper", lambda: True)
+    monkeypatch.setattr(int4_kernels, "is_hopper", lambda: True)
     monkeypatch.delenv("JAXLLM_INT4_MOSAIC", raising=False)
     bf16 = jnp.bfloat16
-    assert linear.use_mosaic_int4(G128, 4096, 4096, bf16)       # on by default on Hopper
+    assert int4_kernels.use_mosaic_int4(G128, 4096, 4096, bf16)       # on by default on Hopper
     monkeypatch.setenv("JAXLLM_INT4_MOSAIC", "1")
-    assert linear.use_mosaic_int4(G128, 4096, 4096, bf16)
-    assert not linear.use_mosaic_int4(LinearScheme("uint4", group=64), 4096, 4096, bf16)
-    assert not linear.use_mosaic_int4(G128, 4096 + 64, 4096, bf16)   # N off the 128 tiles
-    assert not linear.use_mosaic_int4(G128, 4096, 128 * 6, bf16)     # no 4-group slabs
+    assert int4_kernels.use_mosaic_int4(G128, 4096, 4096, bf16)
+    assert not int4_kernels.use_mosaic_int4(LinearScheme("uint4", group=64), 4096, 4096, bf16)
+    assert not int4_kernels.use_mosaic_int4(G128, 4096 + 64, 4096, bf16)   # N off the 128 tiles
+    assert not int4_kernels.use_mosaic_int4(G128, 4096, 128 * 6, bf16)     # no 4-group slabs
     # its arithmetic is bf16: an f16 model keeps the Triton kernel, which computes in f16
-    assert not linear.use_mosaic_int4(G128, 4096, 4096, jnp.float16)
+    assert not int4_kernels.use_mosaic_int4(G128, 4096, 4096, jnp.float16)
     monkeypatch.setenv("JAXLLM_INT4_MOSAIC", "0")
-    assert not linear.use_mosaic_int4(G128, 4096, 4096, bf16)
+    assert not int4_kernels.use_mosaic_int4(G128, 4096, 4096, bf16)
     monkeypatch.setenv("JAXLLM_INT4_MOSAIC", "1")
-    monkeypatch.setattr(linear, "is_hopper", lambda: False)
-    assert not linear.use_mosaic_int4(G128, 4096, 4096, bf16)
+    monkeypatch.setattr(int4_kernels, "is_hopper", lambda: False)
+    assert not int4_kernels.use_mosaic_int4(G128, 4096, 4096, bf16)
     monkeypatch.setenv("JAXLLM_INT4_MOSAIC", "yes")
     with pytest.raises(ValueError, match="JAXLLM_INT4_MOSAIC='yes': 0 or 1 expected"):
-        linear.use_mosaic_int4(G128, 4096, 4096, bf16)
+        int4_kernels.use_mosaic_int4(G128, 4096, 4096, bf16)
 
 
 @pytest.mark.parametrize("switch,kernel", [("1", "mosaic_gpu"), ("0", "quant_matmul_int4")])
@@ -62,7 +62,7 @@ def test_layer_through_mosaic_matches_xla_dequant(monkeypatch, in_shape, out_sha
     """int4_kernel_matmul's Mosaic branch (interpret mode) flattens a projection's dims
     as XLA's path reads them: the same numbers within the bf16 roundings of the scales
     and of each dequantized weight."""
-    monkeypatch.setattr(linear, "is_hopper", lambda: True)
+    monkeypatch.setattr(int4_kernels, "is_hopper", lambda: True)
     monkeypatch.setenv("JAXLLM_INT4_MOSAIC", "1")
     rng = np.random.default_rng(5)
     k = int(np.prod(in_shape))
@@ -72,8 +72,8 @@ def test_layer_through_mosaic_matches_xla_dequant(monkeypatch, in_shape, out_sha
     zero = jnp.asarray(rng.integers(0, 16, out_shape + (k // 128,)), jnp.float32)
     x = jnp.asarray(rng.standard_normal((6,) + in_shape), jnp.bfloat16)
     nk = len(in_shape)
-    assert linear.use_mosaic_int4(G128, int(np.prod(out_shape)), k, x.dtype)
-    got = linear.int4_kernel_matmul(x, packed, scale, zero, G128, nk, interpret=True)
+    assert int4_kernels.use_mosaic_int4(G128, int(np.prod(out_shape)), k, x.dtype)
+    got = int4_kernels.int4_kernel_matmul(x, packed, scale, zero, G128, nk, interpret=True)
     want = linear.grouped_dequant_matmul(x, packed, scale, zero, None, G128, nk)
     assert got.shape == want.shape == (6,) + out_shape
     err = np.abs(np.asarray(got, np.float32) - np.asarray(want, np.float32)).max()

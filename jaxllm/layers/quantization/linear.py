@@ -23,9 +23,11 @@ import numpy as np
 from flax import nnx
 
 from jaxllm.env_switch import env_switch
+from jaxllm.layers.quantization import int4_kernels
+from jaxllm.layers.quantization.int4_kernels import int4_kernel_matmul
 from jaxllm.layers.quantization.rotation import block_size, hadamard, rotate
 from jaxllm.layers.quantization.schemes import FP8_MAX, INT8_MAX, ActScheme, LinearScheme
-from pallas_kernels.common import is_hopper, target_platform, to_f16
+from pallas_kernels.common import target_platform, to_f16
 
 STORAGE = {"fp8": jnp.float8_e4m3fn, "int8": jnp.int8, "uint4": jnp.uint8, "uint8": jnp.uint8}
 # A floor under dynamic scales: an all-zero token row quantizes to zeros, not NaN.
@@ -219,36 +221,6 @@ def block_kernel_matmul(x, wq, w_scale, nk: int, interpret: bool = False):
     return y.reshape(t, *out)
 
 
-def use_mosaic_int4(scheme: LinearScheme, n: int, k: int, x_dtype) -> bool:
-    """The Mosaic GPU kernel (w4a16_mgpu.py, bf16 arithmetic; JAXLLM_INT4_MOSAIC=0 for
-    the Triton one): groups of 128, a bf16 input, shapes it tiles, a Hopper GPU."""
-    if not (env_switch("JAXLLM_INT4_MOSAIC", True) and scheme.group == 128
-            and jnp.dtype(x_dtype) == jnp.bfloat16):
-        return False
-    from pallas_kernels import w4a16_mgpu
-    return w4a16_mgpu.supported(n, k) and is_hopper()
-
-
-def int4_kernel_matmul(x, wq, scale, zero, scheme: LinearScheme, nk: int,
-                       interpret: bool = False):
-    """grouped_dequant_matmul's contract through the fused kernel: the projection's
-    dims flattened to [T, K] x [N, K/2] (two nibbles a byte along the last K dim, so
-    flattening keeps each pair) -> [T, N...] in x's dtype."""
-    from pallas_kernels.quant_matmul import quant_matmul_int4   # Triton lowering, lazily
-    t = x.shape[0]
-    xf = x.reshape(t, -1)
-    out = wq.shape[:wq.ndim - nk]
-    n = math.prod(out)
-    wq, scale, zero = wq.reshape(n, -1), scale.reshape(n, -1), zero.reshape(n, -1)
-    if use_mosaic_int4(scheme, n, xf.shape[1], x.dtype):
-        from pallas_kernels.w4a16_mgpu import as_int4, w4a16_matmul   # Mosaic GPU, lazily
-        y = w4a16_matmul(xf, as_int4(wq), scale, zero, out_dtype=x.dtype, interpret=interpret)
-    else:
-        y = quant_matmul_int4(xf, wq, scale, zero,
-                              group=scheme.group, out_dtype=x.dtype, interpret=interpret)
-    return y.reshape(t, *out)
-
-
 # Tokens up to which an fp8 / int8 W8A8 layer with per-channel or per-tensor weight
 # scales runs weight-only on a GPU (weight_only_matmul; XLA's Triton GEMMs widen the
 # weight in registers, step_compiler_options), by weight dtype: at decode sizes a
@@ -343,10 +315,14 @@ class QuantLinear(nnx.Module):
                                 out_sharding=out_axes + in_axes)
         if scheme.group is not None:
             k = math.prod(in_shape)
-            groups = -(-k // scheme.group)
-            for name in ("weight_scale", "weight_zero_point"):
-                setattr(self, name, nnx.Param(jnp.ones(out_shape + (groups,), jnp.float32),
-                                              out_sharding=out_axes + in_axes[:1]))
+            groups, n = -(-k // scheme.group), math.prod(out_shape)
+            if int4_kernels.is_packed(scheme, n, k):       # one bf16 [2 K/G, N], one device
+                self.weight_scale = nnx.Param(jnp.ones((2 * groups, n), jnp.bfloat16),
+                                              out_sharding=(None, None))
+            else:
+                for name in ("weight_scale", "weight_zero_point"):
+                    setattr(self, name, nnx.Param(jnp.ones(out_shape + (groups,), jnp.float32),
+                                                  out_sharding=out_axes + in_axes[:1]))
             if scheme.g_idx:
                 self.g_idx = nnx.Param(jnp.zeros((k,), jnp.int32), out_sharding=in_axes[:1])
         elif scheme.block is None:
@@ -371,11 +347,15 @@ class QuantLinear(nnx.Module):
         kernel = use_rotate_kernel(s, x, self.nk, tp)
         if s.rotate and not kernel:     # as the weight was at load; f32 into the quantization
             x = rotate(x, self.nk, s.rotate)
+        # zero None: packed with the scales (int4_kernels.py)
+        zero = self.weight_zero_point[...] if hasattr(self, "weight_zero_point") else None
         if s.group is not None and use_int4_kernel(s, x.shape[0], tp):
-            y = int4_kernel_matmul(x, w, ws, self.weight_zero_point[...], s, self.nk)
+            y = int4_kernel_matmul(x, w, ws, zero, s, self.nk)
         elif s.group is not None:
-            y = grouped_dequant_matmul(x, w, ws, self.weight_zero_point[...],
-                                       self.g_idx[...] if s.g_idx else None, s, self.nk)
+            if zero is None:
+                ws, zero = int4_kernels.unpack(ws, w.shape[:w.ndim - self.nk])
+            y = grouped_dequant_matmul(x, w, ws, zero, self.g_idx[...] if s.g_idx else None, s,
+                                       self.nk)
         elif s.block is not None and use_block_fp8_kernel(s, x.shape[0], tp):
             y = block_kernel_matmul(x, w, ws, self.nk)
         elif s.block is not None:

@@ -58,7 +58,9 @@ class LinearScheme:
     whose weight_zero_point tensors are then required (GPTQ and AWQ always store
     theirs; symmetric pack-quantized weights take the midpoint).
     rotate: the largest block of the Hadamard rotation applied to the weight's K at
-    load and to the input in the layer (rotation.py; online int8), 0 = none."""
+    load and to the input in the layer (rotation.py; online int8), 0 = none.
+    packed: uint4 group scales and zero points stored as one bf16 [2 K/G, N] for the
+    Mosaic W4A16 kernel where it takes the projection's shape (int4_kernels.py)."""
     weight: str
     block: tuple[int, int] | None = None
     act: ActScheme | None = None
@@ -66,6 +68,7 @@ class LinearScheme:
     g_idx: bool = False
     rotate: int = 0
     zero_point: bool = False
+    packed: bool = False
 
     def __post_init__(self):
         if self.weight not in WEIGHT_DTYPES:
