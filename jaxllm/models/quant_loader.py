@@ -316,13 +316,16 @@ def dummy_fill(name: str, dtype, quant: QuantConfig | None = None) -> tuple[str,
         return "const", 8.0
     if leaf == "azp_adj":     # the sums of weights uniform in +-127: zero on average
         return "const", 0.0
+    # uint4 group scales: 0.035 / 8 rounded to bf16, so scales packed in bf16 rows
+    # (int4_kernels.py; zero-point rows 8) are the same numbers as f32 ones
+    g_scale = float(np.float32(0.035 / 8).astype(jnp.bfloat16))
     if leaf == "weight_scale" and np.dtype(dtype) == np.dtype(jnp.bfloat16):
-        return "packed", 0.035 / 8                # int4_kernels.py: scale rows, zero rows 8
+        return "packed", g_scale
     if leaf == "weight_scale":
         module = ".".join([p for p in name.split(".") if p and p != "value"][:-1])
         scheme = quant.scheme(module) if quant is not None else None
         grouped = scheme is not None and scheme.group is not None
-        return "const", 0.035 / (8 if grouped else INT8_MAX)
+        return "const", g_scale if grouped else 0.035 / INT8_MAX
     if leaf == "input_scale":
         return "const", 4.0 / FP8_MAX
     return None

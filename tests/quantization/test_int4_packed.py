@@ -105,18 +105,25 @@ def test_packed_load_decodes_as_f32_scales(tmp_path, monkeypatch):
 
 
 def test_dummy_packed_scales(tiny_model, monkeypatch):
-    """--load-format dummy on the kernel's machines: scale rows 0.035 / 8 and zero-point
-    rows 8, so the weights dequantize to the float dummy range as unpacked ones do."""
+    """--load-format dummy on the kernel's machines: scale rows ~0.035 / 8 and
+    zero-point rows 8, the same numbers as the unpacked dummy scales (a bf16 value),
+    so both dequantize to the same weights in the float dummy range."""
     folder, _ = tiny_model("llama")
-    monkeypatch.setattr(int4_kernels, "is_hopper", lambda: True)
     monkeypatch.setattr(w4a16_mgpu, "supported", lambda n, k, tile_n=128: True)
-    loaded = load_model(folder, "bfloat16", "dummy", quantization="awq")
-    got = _down(loaded)
-    assert set(got) == {"weight", "weight_scale"}
-    s = got["weight_scale"].astype(np.float32)
-    assert s.dtype == np.float32 and s.shape[0] % 2 == 0
+    loads = {}
+    for hopper in (True, False):
+        monkeypatch.setattr(int4_kernels, "is_hopper", lambda: hopper)
+        loads[hopper] = _down(load_model(folder, "bfloat16", "dummy", quantization="awq"))
+    packed, f32 = loads[True], loads[False]
+    assert set(packed) == {"weight", "weight_scale"} and len(f32) == 3
+    s = packed["weight_scale"].astype(np.float32)
     np.testing.assert_allclose(s[0::2], 0.035 / 8, rtol=1e-2)
     np.testing.assert_array_equal(s[1::2], 8.0)
+    n = f32["weight_scale"].shape[0]
+    np.testing.assert_array_equal(s, np.asarray(w4a16_mgpu.pack_scales(
+        jnp.asarray(f32["weight_scale"]), jnp.asarray(f32["weight_zero_point"]))).reshape(-1, n))
+    np.testing.assert_array_equal(f32["weight_scale"],
+                                  np.asarray(int4_kernels.unpack(packed["weight_scale"], (n,))[0]))
 
 
 @pytest.mark.parametrize("mosaic", ["1", "0"], ids=["mosaic", "triton"])
