@@ -13,6 +13,7 @@ import functools
 import json
 import logging
 import os
+import zlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -198,9 +199,8 @@ def dummy_state(arch: ArchConfig, dtype, shardings: Callable, seed: int = 0, qua
     key = jax.random.key(seed)
     flat, treedef = jax.tree_util.tree_flatten_with_path(abstract)
     variables = jax.tree.leaves(abstract, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    generators: dict = {}
-    arrays = []
-    for i, ((path, sds), var) in enumerate(zip(flat, variables)):
+    generators, arrays = {}, []
+    for (path, sds), var in zip(flat, variables):
         name = param_path(p.key if hasattr(p, "key") else p for p in path)
         fill = "uniform" if len(sds.shape) > 1 else ("ones" if "norm" in name else "zeros")
         fill = dummy_fill(name, sds.dtype, quant) or fill   # quantized weights, scales
@@ -210,7 +210,8 @@ def dummy_state(arch: ArchConfig, dtype, shardings: Callable, seed: int = 0, qua
             generators[spec] = jax.jit(functools.partial(
                 _dummy_array, shape=sds.shape, dtype=sds.dtype, fill=fill),
                 out_shardings=sharding)
-        arrays.append(generators[spec](jax.random.fold_in(key, i)))
+        # keyed by name: a parameter's values do not depend on which others exist
+        arrays.append(generators[spec](jax.random.fold_in(key, zlib.crc32(name.encode()))))
     return graphdef, jax.tree.unflatten(treedef, arrays)
 
 

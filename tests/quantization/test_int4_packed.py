@@ -107,7 +107,8 @@ def test_packed_load_decodes_as_f32_scales(tmp_path, monkeypatch):
 def test_dummy_packed_scales(tiny_model, monkeypatch):
     """--load-format dummy on the kernel's machines: scale rows ~0.035 / 8 and
     zero-point rows 8, the same numbers as the unpacked dummy scales (a bf16 value),
-    so both dequantize to the same weights in the float dummy range."""
+    and the same random bytes (keyed by name, not by the parameters before them, of
+    which packing removes some), so both dequantize to the same weights."""
     folder, _ = tiny_model("llama")
     monkeypatch.setattr(w4a16_mgpu, "supported", lambda n, k, tile_n=128: True)
     loads = {}
@@ -116,6 +117,7 @@ def test_dummy_packed_scales(tiny_model, monkeypatch):
         loads[hopper] = _down(load_model(folder, "bfloat16", "dummy", quantization="awq"))
     packed, f32 = loads[True], loads[False]
     assert set(packed) == {"weight", "weight_scale"} and len(f32) == 3
+    np.testing.assert_array_equal(packed["weight"], f32["weight"])
     s = packed["weight_scale"].astype(np.float32)
     np.testing.assert_allclose(s[0::2], 0.035 / 8, rtol=1e-2)
     np.testing.assert_array_equal(s[1::2], 8.0)
@@ -145,6 +147,7 @@ def test_kernels_read_packed_scales(monkeypatch, mosaic):
     got = int4_kernels.int4_kernel_matmul(x, q, packed, None, PACKED, 1, interpret=True)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     # XLA's path (a layer's prefill) unpacks them the same way
+    nnx.use_eager_sharding(False)
     layer = linear.QuantLinear(PACKED, out_shape, (k,), (None,) * 3, (None,))
     assert not hasattr(layer, "weight_zero_point") and layer.weight_scale.shape == (8, 512)
     layer.weight[...], layer.weight_scale[...] = q, packed

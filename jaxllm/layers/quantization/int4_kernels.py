@@ -13,20 +13,27 @@ from __future__ import annotations
 
 import math
 
-import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.env_switch import env_switch
 from jaxllm.layers.quantization.schemes import LinearScheme
-from pallas_kernels.common import is_hopper
 
 GROUP = 128         # w4a16_mgpu.GROUP, the only group size the kernel takes
 
 
+def is_hopper() -> bool:
+    # imported here: the launcher resolves quantization before any backend imports jax
+    from pallas_kernels.common import is_hopper as hopper
+    return hopper()
+
+
 def wanted(tp: int, dtype) -> bool:
     """Whether the Mosaic kernel will run this model's uint4 layers."""
-    return (tp == 1 and dtype is not None and jnp.dtype(dtype) == jnp.bfloat16
-            and env_switch("JAXLLM_INT4_MOSAIC", True) and is_hopper())
+    if tp != 1 or dtype is None:
+        return False
+    import jax.numpy as jnp
+    return (jnp.dtype(dtype) == jnp.bfloat16 and env_switch("JAXLLM_INT4_MOSAIC", True)
+            and is_hopper())
 
 
 def packable(scheme: LinearScheme) -> bool:
@@ -44,6 +51,7 @@ def is_packed(scheme: LinearScheme, n: int, k: int) -> bool:
 
 def pack(scale: np.ndarray, zero: np.ndarray) -> np.ndarray:
     """The loader's f32 [N..., K/G] scales and zero points -> bf16 [2 K/G, N]."""
+    import jax.numpy as jnp
     from pallas_kernels.w4a16_mgpu import pack_scales
     n = scale.size // scale.shape[-1]
     return np.asarray(pack_scales(jnp.asarray(scale.reshape(n, -1), jnp.float32),
@@ -59,6 +67,7 @@ def unpack(packed, out_shape: tuple):
 def use_mosaic_int4(scheme: LinearScheme, n: int, k: int, x_dtype) -> bool:
     """The Mosaic GPU kernel (w4a16_mgpu.py, bf16 arithmetic; JAXLLM_INT4_MOSAIC=0 for
     the Triton one): groups of 128, a bf16 input, shapes it tiles, a Hopper GPU."""
+    import jax.numpy as jnp
     if not (env_switch("JAXLLM_INT4_MOSAIC", True) and scheme.group == 128
             and jnp.dtype(x_dtype) == jnp.bfloat16):
         return False
