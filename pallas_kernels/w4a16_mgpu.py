@@ -7,13 +7,15 @@ Letter legend: M tokens (rows of x), Mp = M rounded up to a power of two in [16,
 N output channels, K contracted dim, G the group size (= columns per step), TN
 output channels per program, S k-splits, P = K / G / S groups per split.
 
-Operands are the checkpoint's layout as jaxllm stores it (no copy at load): the uint4
-weight two a byte, the even column in the low nibble, reread as int4 [N, K] by a
-bitcast (``as_int4``: int4's first element is a byte's low nibble), so a value q
-reads as q - 16 where q >= 8 and the kernel flips each nibble's top bit; f32 scale
-and zero point [N, K/G]. A program copies its [TN, P] slab of each once into shared
-memory and stores it again transposed, [P, TN], so that a step reads its group's
-scales as one contiguous row.
+The weight is the checkpoint's layout as jaxllm stores it (no copy at load): uint4
+two a byte, the even column in the low nibble, reread as int4 [N, K] by a bitcast
+(``as_int4``: int4's first element is a byte's low nibble), so a value q reads as
+q - 16 where q >= 8 and the kernel flips each nibble's top bit. The scales and zero
+points come either packed (``pack_scales``: bf16 [2 K/G, N], what the engine stores
+on Hopper), a step's [2, TN] rows copied by the pipeline beside its weight tile, or
+as the checkpoint's f32 [N, K/G]: then a program copies its [TN, P] slab of each once
+into shared memory and stores it again transposed, [P, TN], so that a step reads its
+group's scales as one contiguous row.
 
 Grid (N / TN, S). A program owns TN channels and 1/S of K and computes
 acc[TN, Mp] += W[TN, G] @ x^T[G, Mp] per step, with W = (q - z) * s: the integer
@@ -22,8 +24,9 @@ take a bf16 model's scales in bf16). The weight is the MMA's M dimension (x's fe
 rows would not fill it). Each split writes f32 partials, [S, N, Mp] (their sum a
 reduce kernel of its own after each projection, compiled for the H200) or with
 `out_rows` [S, M, N] (the sum fused into the consumer, as the Triton kernel's; only
-x's M rows written, where a decode step of one token has 1 of 16), and XLA sums them. x stays [M, K]: its tiles are [Mp, G] TMA copies, which fill the
-rows past M with zeros.
+x's M rows written, where a decode step of one token has 1 of 16), and XLA sums
+them. x stays [M, K]: its tiles are [Mp, G] TMA copies, which fill the rows past M
+with zeros.
 """
 from __future__ import annotations
 
@@ -56,7 +59,8 @@ def as_int4(w_u8):
 
 def ref_w4a16_matmul(x, q, scale, zero=None, *, out_dtype=None, **settings):
     """x [M, K], q int4 [N, K] (uint4 values reread, see as_int4), scale and zero f32
-    [N, K/G] -> [M, N] ``out_dtype`` (default x's dtype). The weight as the kernel
+    [N, K/G] (or scale packed, ``pack_scales``, and zero None) -> [M, N] ``out_dtype``
+    (default x's dtype). The weight as the kernel
     widens it: (q - z) exact, times the scale rounded to bf16, rounded to bf16 (one
     rounding: the product of an integer below 2^8 and a bf16 is exact in f32); the
     dot in f32."""

@@ -1,14 +1,14 @@
 """QuantLinear's uint4 layers through the fused kernels (the Mosaic GPU one on Hopper,
-else the Triton one), and their group scales stored packed for the Mosaic kernel: a projection's f32
-scales and zero points [N..., K/G] become one bf16 [2 K/G, N] parameter
-(pallas_kernels/w4a16_mgpu.pack_scales), which each pipeline step of the kernel reads
-as whole rows, with no slab copied and transposed before the pipeline (on an H100 a
-layer's four matmuls at 8 rows 0.94x the time). Where the kernel runs: one device, a
-Hopper GPU, a bf16 model, groups of 128 without act order, shapes the kernel takes
-(JAXLLM_INT4_MOSAIC=0 keeps the f32 scales and the Triton kernel). A scheme's
-`packed` says so; the loader, the dummy weights and the layer ask ``is_packed``. XLA's
-path (steps over 64 tokens) unpacks them (a small transpose beside the prefill's
-dequantization)."""
+else the Triton one), and their group scales stored packed for the Mosaic kernel: a
+projection's f32 scales and zero points [N..., K/G] become one bf16 [2 K/G, N]
+parameter (pallas_kernels/w4a16_mgpu.pack_scales), which each pipeline step of the
+kernel reads as whole rows, with no slab copied and transposed before the pipeline
+(on an H100 a layer's four matmuls at 8 rows took 0.93x the time). Where the kernel
+runs: one device, a Hopper GPU, a bf16 model, groups of 128 without act order, shapes
+the kernel takes (JAXLLM_INT4_MOSAIC=0 keeps the f32 scales and the Triton kernel). A
+scheme's `packed` says so; the loader, the dummy weights and the layer ask
+``is_packed``. XLA's path (steps over 64 tokens) unpacks them (a small transpose
+beside the prefill's dequantization)."""
 from __future__ import annotations
 
 import math
