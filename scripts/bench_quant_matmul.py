@@ -324,7 +324,7 @@ def case(kind, m, n, k, options, key, settings=None, copies=1):
     return r
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--variants", default=None, help="default: no_triton,default "
                     "(no_triton with --pallas)")
@@ -339,7 +339,12 @@ def main():
                     "process, so a sweep pays the start-up once)")
     ap.add_argument("--copies", type=int, default=1, help="matmuls per program, each on "
                     "its own weight; rows are per matmul (device time at small M)")
-    args = ap.parse_args()
+    ap.add_argument("--projs", default=",".join(SHAPES), help="the projections to run, "
+                    f"of {','.join(SHAPES)} (a sweep of splits one projection at a time)")
+    args = ap.parse_args(argv)
+    projs = args.projs.split(",")
+    if any(p not in SHAPES for p in projs):
+        ap.error(f"--projs {args.projs}: each of {', '.join(SHAPES)}")
     args.variants = args.variants or ("no_triton" if args.pallas else "no_triton,default")
     args.ms = args.ms or ("1,8,16,64" if args.pallas else "1,8,64,256,4096")
     args.kinds = args.kinds or ("bf16,fp8,int8" + (
@@ -356,7 +361,7 @@ def main():
         spent = 0.0
         base = {}
         for m in map(int, args.ms.split(",")):
-            for proj, (n, k) in SHAPES.items():
+            for proj, (n, k) in ((p, SHAPES[p]) for p in projs):
                 for kind, settings in [(kd, st) for kd in args.kinds.split(",")
                                        for st in (sweep if kd != "bf16" else sweep[:1])]:
                     if kind != "bf16" and spent > args.compile_budget:
