@@ -10,12 +10,12 @@ output channels per program, S k-splits, P = K / G / S groups per split.
 The weight is the checkpoint's layout as jaxllm stores it (no copy at load): uint4
 two a byte, the even column in the low nibble, reread as int4 [N, K] by a bitcast
 (``as_int4``: int4's first element is a byte's low nibble), so a value q reads as
-q - 16 where q >= 8 and the kernel flips each nibble's top bit. The scales and zero
-points come either packed (``pack_scales``: bf16 [2 K/G, N], what the engine stores
-on Hopper), a step's [2, TN] rows copied by the pipeline beside its weight tile, or
-as the checkpoint's f32 [N, K/G]: then a program copies its [TN, P] slab of each once
-into shared memory and stores it again transposed, [P, TN], so that a step reads its
-group's scales as one contiguous row.
+q - 16 where q >= 8 and the kernel flips each nibble's top bit. The group scales and
+zero points come packed (``pack_scales``: one bf16 [2 K/G, N], what the engine stores
+on Hopper): each pipeline step copies its group's [2, TN] rows beside its weight tile
+(where the checkpoint's f32 [N, K/G] made each program copy its [TN, P] slab and
+transpose it before its pipeline: a layer's four matmuls took 1.04-1.08x the time on
+an H100, docs/benchmarks.md).
 
 Grid (N / TN, S). A program owns TN channels and 1/S of K and computes
 acc[TN, Mp] += W[TN, G] @ x^T[G, Mp] per step, with W = (q - z) * s: the integer
@@ -43,7 +43,7 @@ from pallas_kernels import common
 GROUP = 128          # the only group size the kernel takes (one group per step)
 MAX_M = 64
 # jax >= 0.11 stores registers into transposed shared-memory views (0.10 flattens the
-# view): there a step reads its scales as a row (see the kernel).
+# view): there the partials can leave as rows (OUT_ROWS).
 ROWS = jax.__version_info__ >= (0, 11)
 # The partials written [S, M, N] (`out_rows`; jax >= 0.11): XLA then fuses their sum
 # into the consumer, 3 kernels a layer fewer and ~0.25 ms off an 8B decode step on an
@@ -57,22 +57,19 @@ def as_int4(w_u8):
     return lax.bitcast_convert_type(w_u8, jnp.int4).reshape(*lead, 2 * half)
 
 
-def ref_w4a16_matmul(x, q, scale, zero=None, *, out_dtype=None, **settings):
-    """x [M, K], q int4 [N, K] (uint4 values reread, see as_int4), scale and zero f32
-    [N, K/G] (or scale packed, ``pack_scales``, and zero None) -> [M, N] ``out_dtype``
-    (default x's dtype). The weight as the kernel
+def ref_w4a16_matmul(x, q, scales, *, out_dtype=None, **settings):
+    """x [M, K], q int4 [N, K] (uint4 values reread, see as_int4), scales bf16 [2 K/G, N]
+    (``pack_scales``) -> [M, N] ``out_dtype`` (default x's dtype). The weight as the kernel
     widens it: (q - z) exact, times the scale rounded to bf16, rounded to bf16 (one
     rounding: the product of an integer below 2^8 and a bf16 is exact in f32); the
     dot in f32."""
     del settings
-    if zero is None:
-        scale, zero = unpack_scales(scale)
+    scale, zero = unpack_scales(scales)
     k = q.shape[1]
     g = jnp.arange(k) // GROUP
     v = q.astype(jnp.float32)
     v = jnp.where(v < 0, v + 16, v)
-    s = scale.astype(jnp.bfloat16).astype(jnp.float32)
-    w = ((v - zero[:, g]) * s[:, g]).astype(jnp.bfloat16)
+    w = ((v - zero[:, g]) * scale[:, g]).astype(jnp.bfloat16)
     y = jnp.einsum("mk,nk->mn", x.astype(jnp.bfloat16).astype(jnp.float32),
                    w.astype(jnp.float32), precision=lax.Precision.HIGHEST)
     return y.astype(out_dtype or x.dtype)
@@ -94,20 +91,18 @@ def unpack_scales(packed):
     return p[0::2].T, p[1::2].T
 
 
-def default_k_splits(n: int, k: int, tile_n: int, mp: int = MAX_M, stages: int = 4,
-                     packed: bool = False) -> int:
+def default_k_splits(n: int, k: int, tile_n: int, mp: int = MAX_M, stages: int = 4) -> int:
     """Splits of K so the programs cover the SMs several times (several programs an SM
     keep more weight bytes in flight): four times at 16 rows, where a program's tiles
     are small, twice above (more splits there write f32 partials that approach the
-    weight's own bytes). The fewest that do among the splits leaving each a multiple
-    of 4 groups (the scale slab's rows are copied in 16-byte units), at most 256
-    (TMA's largest box) and a program within shared memory at ``mp`` rows, else the
-    most such splits; 0 if none. Packed scales need no whole slabs, but a split keeps
-    at least 4 groups (on an H100 o's 32 splits of one group took 11.9 us at 16 rows
-    against 10.5 with 8 of 4)."""
+    weight's own bytes). The fewest that do among the splits leaving each at least 4
+    groups (on an H100 o's 32 splits of one group took 11.9 us at 16 rows against 10.5
+    with 8 of 4), else the most such splits; 0 if none or a program at ``mp`` rows
+    is over shared memory."""
     groups, tiles = k // GROUP, n // tile_n
-    fits = [s for s in range(1, groups // 4 + 1) if _split_fits(groups, s, packed)
-            and smem_bytes(tile_n, mp, groups // s, stages, packed) <= common.SMEM_BYTES]
+    if smem_bytes(tile_n, mp, stages) > common.SMEM_BYTES:
+        return 0
+    fits = [s for s in range(1, groups // 4 + 1) if groups % s == 0]
     if not fits:
         return 0
     want = (4 if mp <= 16 else 2) * common.num_sms()
@@ -115,33 +110,28 @@ def default_k_splits(n: int, k: int, tile_n: int, mp: int = MAX_M, stages: int =
     return enough[0] if enough else fits[-1]
 
 
-def _split_fits(groups: int, splits: int, packed: bool = False) -> bool:
-    return groups % splits == 0 and (packed or (groups // splits) % 4 == 0
-                                     and groups // splits <= 256)
-
-
-def smem_bytes(tile_n: int, mp: int, per: int, stages: int, packed: bool = False) -> int:
-    """A program's shared memory: the two scale slabs (each twice: as copied and
-    transposed; none with packed scales, a stage's [2, TN] instead), then either the
-    pipeline's tiles or, in their place once the pipeline is done, the output tile,
-    and 48 bytes of barriers (the kernel's dynamic shared memory as Mosaic sizes it,
-    seen in its dumps)."""
-    stage = tile_n * GROUP // 2 + mp * GROUP * 2 + (4 * tile_n if packed else 0)
-    slabs = 0 if packed else 4 * tile_n * per * 4
-    return slabs + max(stages * stage, tile_n * mp * 4) + 48
+def smem_bytes(tile_n: int, mp: int, stages: int) -> int:
+    """A program's shared memory: the pipeline's tiles (weight, x and the group's
+    scale and zero-point rows a stage) or, in their place once the pipeline is done,
+    the output tile, and 48 bytes of barriers (the kernel's dynamic shared memory as
+    Mosaic sizes it, seen in its dumps)."""
+    stage = tile_n * GROUP // 2 + mp * GROUP * 2 + 2 * tile_n * 2
+    return max(stages * stage, tile_n * mp * 4) + 48
 
 
 def default_stages(mp: int) -> int:
-    """Pipeline depth: 4 up to 16 rows; 2 above, where x's tiles grow and 4 stages left
-    room for one gate/up program an SM (two with 2 stages; on an H100 a layer's four
-    matmuls at 64 rows took 0.81x the time, at 32 rows 0.90x)."""
+    """Pipeline depth: 4 up to 16 rows; 2 above, where x's tiles grow. Measured on an
+    H100 with the scale slabs the kernel read before packed scales: there 4 stages left
+    room for one gate/up program an SM, 2 stages for two, and 2 took 0.81x the time of
+    a layer's four matmuls at 64 rows, 0.90x at 32. Without the slabs 4 stages leave
+    room for two programs an SM, 2 for four."""
     return 4 if mp <= 16 else 2
 
 
 def supported(n: int, k: int, tile_n: int = 128) -> bool:
     """Shapes the kernel takes at every M up to MAX_M with the default splits and
     stages (a program's shared memory at any M is at most MAX_M's with 2 stages: at
-    16 rows 4 stages of tiles take no more, so a split that fits there fits at every M)."""
+    16 rows 4 stages of tiles take no more)."""
     if n % tile_n or k % GROUP:
         return False
     return default_k_splits(n, k, tile_n, MAX_M, default_stages(MAX_M)) > 0
@@ -152,41 +142,35 @@ def supported(n: int, k: int, tile_n: int = 128) -> bool:
 # model, so minutes of warm-up), while identical calls through one jit compile once.
 @functools.partial(jax.jit, static_argnames=("out_dtype", "tile_n", "k_splits", "stages",
                                              "out_rows", "interpret"))
-def w4a16_matmul(x, q, scale, zero=None, *, out_dtype=None, tile_n=128, k_splits=None,
-                 stages=None, out_rows=None, interpret=False):
-    """Same contract as ``ref_w4a16_matmul``, whose scale and zero point may also come
-    packed (``pack_scales``; zero None); the rest are kernel settings (`out_rows`: the
-    partials' layout, OUT_ROWS's by default). M <= 64."""
+def w4a16_matmul(x, q, scales, *, out_dtype=None, tile_n=128, k_splits=None, stages=None,
+                 out_rows=None, interpret=False):
+    """Same contract as ``ref_w4a16_matmul``; the rest are kernel settings (`out_rows`:
+    the partials' layout, OUT_ROWS's by default). M <= 64."""
     m, k = x.shape
     n = q.shape[0]
-    packed = zero is None
+    groups = k // GROUP
     if jnp.dtype(q.dtype) != jnp.int4 or q.shape != (n, k):
         raise ValueError(f"weight {q.dtype} {q.shape}: int4 [N, {k}] expected")
-    if k % GROUP or (scale.shape != (2 * k // GROUP, n) if packed else
-                     (scale.shape != (n, k // GROUP) or zero.shape != scale.shape)):
-        want = f"packed [{2 * k // GROUP}, {n}]" if packed else f"[{n}, {k // GROUP}]"
-        raise ValueError(f"scale {scale.shape} / zero {None if packed else zero.shape}: "
-                         f"{want} expected (K a multiple of {GROUP})")
+    if k % GROUP or scales.shape != (2 * groups, n):
+        raise ValueError(f"scales {scales.shape}: packed [{2 * groups}, {n}] expected "
+                         f"(pack_scales; K a multiple of {GROUP})")
     if m > MAX_M or n % tile_n:
         raise ValueError(f"M {m} > {MAX_M} or N {n} not a multiple of {tile_n}")
     mp = max(16, common.next_pow2(m))
     out_rows = OUT_ROWS and ROWS if out_rows is None else out_rows
     stages = stages or default_stages(mp)
-    splits = k_splits or default_k_splits(n, k, tile_n, mp, stages, packed)
-    groups = k // GROUP
-    if not splits or not _split_fits(groups, splits, packed):
-        raise ValueError(f"k_splits {splits}: must divide K's {groups} groups" +
-                         ("" if packed else " into multiples of 4, at most 256"))
-    if smem_bytes(tile_n, mp, groups // splits, stages, packed) > common.SMEM_BYTES:
-        raise ValueError(f"tile_n {tile_n}, {stages} stages, {groups // splits} groups a "
-                         "split: over the shared memory of a program")
+    splits = k_splits or default_k_splits(n, k, tile_n, mp, stages)
+    if not splits or groups % splits:
+        raise ValueError(f"k_splits {splits}: must divide K's {groups} groups")
+    if smem_bytes(tile_n, mp, stages) > common.SMEM_BYTES:
+        raise ValueError(f"tile_n {tile_n}, {stages} stages at {mp} rows: over the shared "
+                         "memory of a program")
     # x goes in unpadded, its tiles [Mp, G] read past its M rows: TMA fills those rows
     # with zeros (a pad would be a kernel of its own at every call below 16 rows), the
     # interpreter with NaNs, so its runs also show that no row leaks into another.
-    scales = ((scale.astype(jnp.bfloat16),) if packed else
-              (scale.astype(jnp.float32), zero.astype(jnp.float32)))
-    out = _call(x.astype(jnp.bfloat16), q, *scales, n=n, m=m, mp=mp, tile_n=tile_n, splits=splits,
-                per=groups // splits, stages=stages, out_rows=out_rows, interpret=interpret)
+    out = _call(x.astype(jnp.bfloat16), q, scales.astype(jnp.bfloat16), n=n, m=m, mp=mp,
+                tile_n=tile_n, splits=splits, per=groups // splits, stages=stages,
+                out_rows=out_rows, interpret=interpret)
     y = out.sum(0) if out_rows else out.sum(0)[:, :m].T
     return y.astype(out_dtype or x.dtype)
 
@@ -197,31 +181,22 @@ def _transforms(minor_bits: int, elem_bits: int, what: str):
             plgpu.SwizzleTransform(swizzle))
 
 
-def _call(x, q, *scales, n, m, mp, tile_n, splits, per, stages, out_rows, interpret):
+def _call(x, q, scales, *, n, m, mp, tile_n, splits, per, stages, out_rows, interpret):
     q_tr = _transforms(GROUP * 4, 4, "weight")
     x_tr = _transforms(GROUP * 16, 16, "x")
     # Interpret mode's wgmma reads A from shared memory only and takes no transposed
     # refs, and its loads take no layouts: there the widened tile and x^T are stored
     # first (the GPU keeps the tile in registers and reads x's tile transposed).
     a_tr = _transforms(GROUP * 16, 16, "widened weight")
-    packed = len(scales) == 1
 
-    def kernel(q_gmem, x_gmem, *refs):
+    def kernel(q_gmem, x_gmem, sz_gmem, out_gmem, *a_smem):
         ni, si = lax.axis_index("n"), lax.axis_index("s")
         chans = pl.ds(ni * tile_n, tile_n)                               # of N
-        if packed:
-            sz_gmem, out_gmem, *a_smem = refs
-        else:
-            s_gmem, z_gmem, out_gmem, *slab_refs = refs
-            scale_refs = _slabs(chans, si, s_gmem, z_gmem, *slab_refs[:5], tile_n=tile_n,
-                                per=per, interpret=interpret)
-            a_smem = slab_refs[5:]
 
-        def step(idx, q_smem, x_smem, *rest):
-            *sz_smem, acc = rest
-            # packed: the stage's [2, TN] rows; else the slabs' rows (or columns)
-            s, z = (sz_smem[0].at[0], sz_smem[0].at[1]) if packed else scale_refs(idx[0])
-            _group(q_smem, x_smem, s, z, acc, a_smem, interpret=interpret)
+        def step(idx, q_smem, x_smem, sz_smem, acc):
+            # the stage's [2, TN]: the group's scales, then its zero points
+            _group(q_smem, x_smem, sz_smem.at[0], sz_smem.at[1], acc, a_smem,
+                   interpret=interpret)
             return acc
 
         def epilogue(acc, tile):
@@ -241,14 +216,14 @@ def _call(x, q, *scales, n, m, mp, tile_n, splits, per, stages, out_rows, interp
 
         def run(acc):
             first = si * per
-            specs = [plgpu.BlockSpec((tile_n, GROUP), lambda j: (ni, first + j),
-                                     transforms=q_tr),
-                     plgpu.BlockSpec((mp, GROUP), lambda j: (0, first + j), transforms=x_tr)]
-            if packed:
-                specs.append(plgpu.BlockSpec((2, tile_n), lambda j: (first + j, ni)))
-            plgpu.emit_pipeline(step, grid=(per,), max_concurrent_steps=stages,
-                                init_carry=acc, in_specs=specs)(
-                q_gmem, x_gmem, *([sz_gmem] if packed else []))
+            plgpu.emit_pipeline(
+                step, grid=(per,), max_concurrent_steps=stages, init_carry=acc,
+                in_specs=[
+                    plgpu.BlockSpec((tile_n, GROUP), lambda j: (ni, first + j),
+                                    transforms=q_tr),
+                    plgpu.BlockSpec((mp, GROUP), lambda j: (0, first + j), transforms=x_tr),
+                    plgpu.BlockSpec((2, tile_n), lambda j: (first + j, ni)),
+                ])(q_gmem, x_gmem, sz_gmem)
             # The partials leave through a shared-memory tile allocated after the
             # pipeline's buffers are freed (so in their place). With out_rows they are
             # written [S, M, N] (the tile stored transposed, from registers relaid out
@@ -259,24 +234,19 @@ def _call(x, q, *scales, n, m, mp, tile_n, splits, per, stages, out_rows, interp
 
         pl.run_scoped(run, plgpu.ACC((tile_n, mp), jnp.float32))
 
-    scratch = [] if packed else [
-        plgpu.SMEM((tile_n, per), jnp.float32), plgpu.SMEM((tile_n, per), jnp.float32),
-        plgpu.SMEM((per, tile_n), jnp.float32), plgpu.SMEM((per, tile_n), jnp.float32),
-        plgpu.Barrier(num_barriers=2)]
-    if interpret:
-        scratch += [plgpu.SMEM((tile_n, GROUP), jnp.bfloat16, transforms=a_tr),
-                    plgpu.SMEM((GROUP, mp), jnp.bfloat16)]
+    scratch = [plgpu.SMEM((tile_n, GROUP), jnp.bfloat16, transforms=a_tr),
+               plgpu.SMEM((GROUP, mp), jnp.bfloat16)] if interpret else []
     f = plgpu.kernel(
         kernel, out_type=jax.ShapeDtypeStruct((splits, m, n) if out_rows else (splits, n, mp),
                                               jnp.float32),
         grid=(n // tile_n, splits), grid_names=("n", "s"), scratch_types=scratch,
         interpret=_interpret_params() if interpret else None)
-    return f(q, x, *scales)
+    return f(q, x, scales)
 
 
 def _group(q_smem, x_smem, s_ref, z_ref, acc, a_smem, *, interpret):
     """acc[TN, Mp] += ((q - z) * s)[TN, G] @ x^T[G, Mp] for one group: s and z the
-    group's [TN] scales and zero points in shared memory (f32 or bf16)."""
+    group's [TN] bf16 scales and zero points in shared memory."""
     row = plgpu.Layout.WGMMA.reduce(1)
     if interpret:
         w, z, s = q_smem[...], z_ref[...], s_ref[...]
@@ -299,32 +269,6 @@ def _group(q_smem, x_smem, s_ref, z_ref, acc, a_smem, *, interpret):
         w, xt = a_smem
     plgpu.wgmma(acc, w, xt)
     plgpu.wgmma_wait(0)
-
-
-def _slabs(chans, si, s_gmem, z_gmem, s_slab, z_slab, s_rows, z_rows, bar, *, tile_n, per,
-           interpret):
-    """Unpacked scales: the program's [TN, P] slab of each copied once into shared
-    memory; returns j -> group j's (scale, zero point) refs."""
-    span = pl.ds(si * per, per)                                          # of K/G
-    plgpu.copy_gmem_to_smem(s_gmem.at[chans, span], s_slab, bar.at[0])
-    plgpu.copy_gmem_to_smem(z_gmem.at[chans, span], z_slab, bar.at[1])
-    plgpu.barrier_wait(bar.at[0])
-    plgpu.barrier_wait(bar.at[1])
-    # A step needs one group's column of each slab. jax 0.11's layout inference refuses
-    # that strided view, so there each slab is stored transposed once and a step reads
-    # a contiguous row; jax 0.10 cannot store to the transposed view (it flattens it)
-    # but reads the column.
-    if not ROWS:
-        return lambda j: (s_slab.at[:, j], z_slab.at[:, j])
-    for slab, slab_t in ((s_slab, s_rows), (z_slab, z_rows)):
-        if interpret:
-            slab_t[...] = slab[...].T
-        else:
-            v = plgpu.load(slab, (), optimized=False,
-                           layout=plgpu.Layout.WG_STRIDED((tile_n, per), 1))
-            plgpu.transpose_ref(slab_t.at[:, :], (1, 0))[...] = v
-    plgpu.commit_smem()
-    return lambda j: (s_rows.at[j], z_rows.at[j])
 
 
 def _interpret_params():

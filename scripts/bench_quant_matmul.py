@@ -18,10 +18,9 @@ W8A8 layer path with the kernel in place of XLA's dot (pallas_fp8, pallas_int8),
 W4A16 with groups of 128 through XLA (xla_w4: grouped_dequant_matmul; xla_u4: the
 weight typed uint4, which XLA's Triton GEMMs read packed), the Triton kernel
 (pallas_w4) and the Mosaic GPU kernel on the same bytes (mgpu_w4:
-pallas_kernels/w4a16_mgpu.py, Hopper only; its error is against the checkpoint's f32
-reference, so it includes the bf16 scales: 2.5e-3 for its twin on o's shape on a CPU;
-mgpu_w4_packed: the same with the scales packed, w4a16_mgpu.pack_scales, outside the
-timing).
+pallas_kernels/w4a16_mgpu.py, Hopper only, its scales packed by pack_scales outside the
+timing; its error is against the checkpoint's f32 reference, so it includes the bf16
+scales: 2.5e-3 for its twin on o's shape on a CPU).
 Rows then also print the weight's GB/s (weight and scales over the run time), and the
 Pallas rows the kernel's largest error against its plain-jnp reference
 on the same inputs (relative to the largest output), so the kernels' first runs on a
@@ -86,8 +85,7 @@ VARIANTS = {"default": {}, "no_triton": {"xla_gpu_enable_triton_gemm": False},
             "autotune0": {"xla_gpu_autotune_level": 0},
             "exhaustive": {"xla_gpu_exhaustive_tiling_search": True}}
 STORE = {"fp8": jnp.float8_e4m3fn, "int8": jnp.int8}
-PALLAS_KINDS = ("pallas_fp8", "pallas_int8", "xla_w4", "pallas_w4", "xla_u4", "mgpu_w4",
-                "mgpu_w4_packed")
+PALLAS_KINDS = ("pallas_fp8", "pallas_int8", "xla_w4", "pallas_w4", "xla_u4", "mgpu_w4")
 W4_GROUP = 128
 # Block-scaled fp8 (native FP8 checkpoints, 128x128 blocks; scales repeated per row).
 BLOCK = 128
@@ -187,15 +185,9 @@ def w4(pallas: bool, settings: dict):
 
 
 def mgpu_w4(settings: dict):
-    """The Mosaic GPU kernel on the checkpoint's layout (the engine's uint4 params)."""
-    def f(x, wq, s, z):
-        return w4a16_mgpu.w4a16_matmul(x, w4a16_mgpu.as_int4(wq), s, z, **settings)
-    return f
-
-
-def mgpu_w4_packed(settings: dict):
-    """The same with the scales packed (args: x, weight, packed, and the f32 scales and
-    zero points it came from, which only the error check reads)."""
+    """The Mosaic GPU kernel on the engine's uint4 params (args: x, the weight's bytes,
+    its packed scales, and the f32 scales and zero points they came from, which only
+    the error check reads)."""
     def f(x, wq, packed, s, z):
         return w4a16_mgpu.w4a16_matmul(x, w4a16_mgpu.as_int4(wq), packed, **settings)
     return f
@@ -238,9 +230,8 @@ def pallas_error(kind, args, settings) -> float:
     if kind == "pallas_block_fp8":
         got = qmm.quant_matmul(*args[:2], None, args[2], out_dtype=jnp.float32, **settings)
         want = qmm.ref_quant_matmul(*args[:2], None, args[2], out_dtype=jnp.float32)
-    elif kind in ("pallas_w4", "mgpu_w4", "mgpu_w4_packed"):
-        got = {"pallas_w4": lambda: w4(True, settings), "mgpu_w4": lambda: mgpu_w4(settings),
-               "mgpu_w4_packed": lambda: mgpu_w4_packed(settings)}[kind]()(*args)
+    elif kind in ("pallas_w4", "mgpu_w4"):
+        got = (w4(True, settings) if kind == "pallas_w4" else mgpu_w4(settings))(*args)
         x, wq, s, z = args[:2] + args[-2:]
         want = qmm.ref_quant_matmul_int4(x, wq, s, z, group=W4_GROUP)
     else:
@@ -267,11 +258,9 @@ def case_args(kind, m, n, k, key, settings=None):
         return w4(kind == "pallas_w4", settings or {}), w4_args(x, n, k, kw)
     if kind == "xla_u4":
         return xla_u4, u4_args(x, n, k, kw)
-    if kind == "mgpu_w4":
-        return mgpu_w4(settings or {}), w4_args(x, n, k, kw)
-    if kind == "mgpu_w4_packed":    # scales packed (pack_scales) outside the timing
+    if kind == "mgpu_w4":           # scales packed (pack_scales) outside the timing
         x, wq, s, z = w4_args(x, n, k, kw)
-        return mgpu_w4_packed(settings or {}), (x, wq, w4a16_mgpu.pack_scales(s, z), s, z)
+        return mgpu_w4(settings or {}), (x, wq, w4a16_mgpu.pack_scales(s, z), s, z)
     if kind in BLOCK_KINDS:
         wq = (jax.random.normal(kw, (n, k), jnp.float32) * 100).astype(jnp.float8_e4m3fn)
         ws = jax.random.uniform(kx, (n, k // BLOCK), jnp.float32, 1e-4, 4e-4)
@@ -316,7 +305,7 @@ def case(kind, m, n, k, options, key, settings=None, copies=1):
          "tflops": round(2 * m * n * k / us / 1e6, 1)}
     # The weight and its scales, read once a call: what bounds the small-M rows.
     # (numpy counts a uint4 element as a byte; XLA stores two to a byte)
-    read = args[1:3] if kind == "mgpu_w4_packed" else args[1:]   # not the f32 originals
+    read = args[1:3] if kind == "mgpu_w4" else args[1:]   # not the f32 originals
     nbytes = sum(a.size // 2 if a.dtype == jnp.uint4 else a.nbytes for a in read)
     r["weight_gbps"] = round(nbytes / us / 1e3, 1)
     if kind.startswith(("pallas", "mgpu")):

@@ -20,15 +20,21 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
-def kernel_fn(kind: str, jitted: bool):
-    """(x [M, K] bf16, int4 weight bytes, scale, zero) -> [M, N] for the named kernel."""
+def kernel_fn(kind: str, jitted: bool, n: int, k: int):
+    """(x [M, K] bf16, weight bytes, its scales...) -> [M, N] for the named kernel, and
+    the shapes of a call's weight operands (the Mosaic kernel's scales packed)."""
+    import jax
+    import jax.numpy as jnp
+    sd = jax.ShapeDtypeStruct
     if kind == "mgpu_w4":
         from pallas_kernels import w4a16_mgpu as w4
         fn = w4.w4a16_matmul if jitted else w4.w4a16_matmul.__wrapped__
-        return lambda x, wq, s, z: fn(x, w4.as_int4(wq), s, z)
+        return (lambda x, wq, sz: fn(x, w4.as_int4(wq), sz),
+                [sd((n, k // 2), jnp.uint8), sd((2 * k // 128, n), jnp.bfloat16)])
     from pallas_kernels import quant_matmul as qmm
     fn = qmm.quant_matmul_int4 if jitted else qmm.quant_matmul_int4.__wrapped__
-    return lambda x, wq, s, z: fn(x, wq, s, z, group=128)
+    return (lambda x, wq, s, z: fn(x, wq, s, z, group=128),
+            [sd((n, k // 2), jnp.uint8)] + [sd((n, k // 128), jnp.float32)] * 2)
 
 
 def main(argv=None) -> int:
@@ -45,17 +51,16 @@ def main(argv=None) -> int:
     with open(args.target) as f:
         mesh = aot.target_mesh(f.read())
     n, k, m = 28672, 4096, 16
-    mm = kernel_fn(args.kernel, not args.no_jit)
+    mm, weight = kernel_fn(args.kernel, not args.no_jit, n, k)
     sd = jax.ShapeDtypeStruct
-    weight = [sd((n, k // 2), jnp.uint8), sd((n, k // 128), jnp.float32),
-              sd((n, k // 128), jnp.float32)]
+    per = len(weight)
     print(f"{args.kernel}, {'each site on its own' if args.no_jit else 'one jit'}, "
           f"jax {jax.__version__}")
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
         for sites in (int(v) for v in args.sites.split(",")):
             def chain(x, *ws):
                 for i in range(sites):
-                    x = x + mm(x, *ws[3 * i:3 * i + 3])[:, :k].astype(x.dtype)
+                    x = x + mm(x, *ws[per * i:per * (i + 1)])[:, :k].astype(x.dtype)
                 return x
             shapes = aot.on_mesh([sd((m, k), jnp.bfloat16)] + weight * sites, mesh)
             t0 = time.perf_counter()

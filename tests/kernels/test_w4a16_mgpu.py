@@ -38,13 +38,19 @@ def test_as_int4_rereads_the_bytes():
     np.testing.assert_array_equal(q, np.where(nibbles >= 8, nibbles - 16, nibbles))
 
 
+def _args(m, n, k, seed):
+    """(x, int4 weight, packed scales) of a random checkpoint."""
+    wu8, s, z = _checkpoint(n, k, seed=seed)
+    return _x(m, k, seed=seed + 1), w4.as_int4(wu8), w4.pack_scales(s, z)
+
+
 def test_twin_matches_the_checkpoint_reference():
-    """The twin computes what the checkpoint's weights mean, to the bf16 rounding of
-    the scales and the widened weight."""
+    """The twin on packed scales computes what the checkpoint's weights mean, to the
+    bf16 rounding of the scales and the widened weight."""
     wu8, s, z = _checkpoint(64, 512)
     x = _x(4, 512)
     want = qmm.ref_quant_matmul_int4(x, wu8, s, z, group=G, out_dtype=jnp.float32)
-    got = w4.ref_w4a16_matmul(x, w4.as_int4(wu8), s, z, out_dtype=jnp.float32)
+    got = w4.ref_w4a16_matmul(x, w4.as_int4(wu8), w4.pack_scales(s, z), out_dtype=jnp.float32)
     scale = float(jnp.max(jnp.abs(want)))
     assert float(jnp.max(jnp.abs(got - want))) < 5e-3 * scale
     # and not by accident: the uint4 values taken as read (q - 16 from 8) are far off
@@ -54,6 +60,21 @@ def test_twin_matches_the_checkpoint_reference():
     assert float(jnp.max(jnp.abs(signed - want))) > 0.1 * scale
 
 
+def test_pack_scales_layout():
+    """bf16 [2 K/G, N]: row 2j group j's scales (rounded to bf16), row 2j + 1 its zero
+    points (exact); unpack_scales gives them back as f32 [N, K/G]."""
+    _, s, z = _checkpoint(256, 12 * G, seed=15)
+    packed = w4.pack_scales(s, z)
+    assert packed.shape == (24, 256) and packed.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(packed[5], np.float32), np.asarray(z[:, 2]))
+    np.testing.assert_array_equal(np.asarray(packed[4]),
+                                  np.asarray(s[:, 2].astype(jnp.bfloat16)))
+    back_s, back_z = w4.unpack_scales(packed)
+    np.testing.assert_array_equal(np.asarray(back_z), np.asarray(z))
+    np.testing.assert_array_equal(np.asarray(back_s),
+                                  np.asarray(s.astype(jnp.bfloat16).astype(jnp.float32)))
+
+
 @pytest.mark.parametrize("m,n,k,settings", [
     (1, 128, 512, {}),
     (5, 256, 1024, dict(k_splits=2)),
@@ -61,29 +82,15 @@ def test_twin_matches_the_checkpoint_reference():
     (33, 64, 512, dict(tile_n=64, stages=2)),
     (64, 128, 1536, dict(k_splits=3)),
     (16, 128, 2048, dict(k_splits=4, out_rows=True)),
+    (1, 256, 12 * G, dict(k_splits=4)),           # splits of 3 groups
+    (40, 256, 12 * G, dict(k_splits=6)),          # and of 2
 ], ids=str)
 def test_kernel_matches_twin_interpret(m, n, k, settings):
-    wu8, s, z = _checkpoint(n, k, seed=m)
-    args = (_x(m, k, seed=m + 1), w4.as_int4(wu8), s, z)
+    args = _args(m, n, k, seed=m)
     got = w4.w4a16_matmul(*args, out_dtype=jnp.float32, interpret=True, **settings)
     want = w4.ref_w4a16_matmul(*args, out_dtype=jnp.float32)
     assert got.shape == (m, n)
     # the same bf16 weights; only the order of the f32 sums differs
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0,
-                               atol=1e-4 * float(jnp.max(jnp.abs(want))))
-
-
-@pytest.mark.parametrize("rows", [False, True], ids=["column", "rows"])
-def test_both_scale_reads_interpret(monkeypatch, rows):
-    """A step reads its group's scales as the slab's column (jax 0.10) or as a row of
-    the slab stored transposed (jax 0.11, where CI cannot lower it): both give the
-    twin's numbers."""
-    monkeypatch.setattr(w4, "ROWS", rows)
-    w4.w4a16_matmul.clear_cache()       # else the other case's trace serves this one
-    wu8, s, z = _checkpoint(128, 1024, seed=7)
-    args = (_x(16, 1024, seed=8), w4.as_int4(wu8), s, z)
-    want = w4.ref_w4a16_matmul(*args, out_dtype=jnp.float32)
-    got = w4.w4a16_matmul(*args, out_dtype=jnp.float32, interpret=True, k_splits=2)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0,
                                atol=1e-4 * float(jnp.max(jnp.abs(want))))
 
@@ -93,44 +100,13 @@ def test_both_output_layouts_interpret(m, splits):
     """The partials written [S, N, Mp] or [S, M, N] (out_rows: the tile stored
     transposed, only x's M rows of it copied out) sum to the twin's numbers, also for
     rows below Mp."""
-    wu8, s, z = _checkpoint(256, 2048, seed=9)
-    args = (_x(m, 2048, seed=10), w4.as_int4(wu8), s, z)
+    args = _args(m, 256, 2048, seed=9)
     want = w4.ref_w4a16_matmul(*args, out_dtype=jnp.float32)
     for out_rows in (False, True):
         got = w4.w4a16_matmul(*args, out_dtype=jnp.float32, interpret=True, k_splits=splits,
                               out_rows=out_rows)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0,
                                    atol=1e-4 * float(jnp.max(jnp.abs(want))))
-
-
-@pytest.mark.parametrize("m,splits,out_rows", [(1, 4, True), (5, 3, True), (16, 1, True),
-                                               (40, 2, True), (3, 6, False)], ids=str)
-def test_packed_scales_interpret(m, splits, out_rows):
-    """Scales packed (pack_scales: bf16 [2 K/G, N], a step's [2, TN] rows copied by
-    its pipeline) give exactly the slabs' result, at splits of any number of groups
-    (no whole 4-group slabs needed: 3 and 6 of 12 groups); the twin takes them too."""
-    wu8, s, z = _checkpoint(256, 12 * G, seed=15)
-    x, q = _x(m, 12 * G, seed=16), w4.as_int4(wu8)
-    packed = w4.pack_scales(s, z)
-    assert packed.shape == (24, 256) and packed.dtype == jnp.bfloat16
-    # row 2j group j's scales (rounded to bf16), row 2j + 1 its zero points
-    np.testing.assert_array_equal(np.asarray(packed[5], np.float32), np.asarray(z[:, 2]))
-    np.testing.assert_array_equal(np.asarray(packed[4]),
-                                  np.asarray(s[:, 2].astype(jnp.bfloat16)))
-    back = w4.unpack_scales(packed)
-    np.testing.assert_array_equal(np.asarray(back[1]), np.asarray(z))
-    want = w4.ref_w4a16_matmul(x, q, s, z, out_dtype=jnp.float32)
-    np.testing.assert_array_equal(np.asarray(w4.ref_w4a16_matmul(x, q, packed,
-                                                                 out_dtype=jnp.float32)),
-                                  np.asarray(want))
-    got = w4.w4a16_matmul(x, q, packed, out_dtype=jnp.float32, interpret=True,
-                          k_splits=splits, out_rows=out_rows)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0,
-                               atol=1e-4 * float(jnp.max(jnp.abs(want))))
-    if (12 // splits) % 4 == 0:            # whole slabs: the slabs take these splits too
-        slab = w4.w4a16_matmul(x, q, s, z, out_dtype=jnp.float32, interpret=True,
-                               k_splits=splits, out_rows=out_rows)
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(slab))
 
 
 def test_call_sites_share_one_trace(monkeypatch):
@@ -141,12 +117,11 @@ def test_call_sites_share_one_trace(monkeypatch):
     real = w4._call
     monkeypatch.setattr(w4, "_call", lambda *a, **kw: traced.append(1) or real(*a, **kw))
     w4.w4a16_matmul.clear_cache()                     # a trace earlier tests left
-    wu8, s, z = _checkpoint(512, 512)
-    q = w4.as_int4(wu8)
+    _, q, sz = _args(16, 512, 512, seed=0)
 
     def layers(x):
         for _ in range(3):
-            x = x + w4.w4a16_matmul(x, q, s, z)[:, :512].astype(x.dtype)
+            x = x + w4.w4a16_matmul(x, q, sz)[:, :512].astype(x.dtype)
         return x
 
     jax.make_jaxpr(layers)(_x(16, 512))
@@ -155,47 +130,46 @@ def test_call_sites_share_one_trace(monkeypatch):
 
 def test_bad_operands_are_refused():
     wu8, s, z = _checkpoint(128, 512)
-    q = w4.as_int4(wu8)
+    q, sz = w4.as_int4(wu8), w4.pack_scales(s, z)
     with pytest.raises(ValueError, match="int4"):
-        w4.w4a16_matmul(_x(4, 512), wu8, s, z)
-    with pytest.raises(ValueError, match="scale"):
-        w4.w4a16_matmul(_x(4, 512), q, s[:, :1], z[:, :1])
-    with pytest.raises(ValueError, match="M 65"):
-        w4.w4a16_matmul(_x(65, 512), q, s, z)
-    with pytest.raises(ValueError, match="k_splits"):
-        w4.w4a16_matmul(_x(4, 512), q, s, z, k_splits=2)
-    packed = w4.pack_scales(s, z)
+        w4.w4a16_matmul(_x(4, 512), wu8, sz)
+    with pytest.raises(ValueError, match=r"scales \(128, 4\): packed \[8, 128\]"):
+        w4.w4a16_matmul(_x(4, 512), q, s)            # the checkpoint's f32 [N, K/G]
     with pytest.raises(ValueError, match=r"packed \[8, 128\]"):
-        w4.w4a16_matmul(_x(4, 512), q, packed.T)
-    with pytest.raises(ValueError, match="k_splits 3: must divide K's 4 groups\n"):
-        w4.w4a16_matmul(_x(4, 512), q, packed, k_splits=3)
+        w4.w4a16_matmul(_x(4, 512), q, sz.T)
+    with pytest.raises(ValueError, match="M 65"):
+        w4.w4a16_matmul(_x(65, 512), q, sz)
+    with pytest.raises(ValueError, match="k_splits 3: must divide K's 4 groups"):
+        w4.w4a16_matmul(_x(4, 512), q, sz, k_splits=3)
 
 
-def test_default_splits_cover_the_sms_in_whole_slabs():
+def test_default_splits_cover_the_sms():
     """The 8B projections: programs at least four times the 132 SMs at 16 rows and twice
     above, 4 groups a split or more, a program within shared memory at its rows."""
     for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]:
         for mp, times in ((16, 4), (32, 2), (64, 2)):
             stages = w4.default_stages(mp)
             s = w4.default_k_splits(n, k, 128, mp, stages)
-            assert (k // G) % s == 0 and (k // G // s) % 4 == 0
-            assert n // 128 * s >= times * 132 or (k // G // s) == 4, (n, k, mp, s)
-            smem = w4.smem_bytes(128, mp, k // G // s, stages)
+            assert (k // G) % s == 0 and k // G // s >= 4
+            assert n // 128 * s >= times * 132 or (k // G // (s + 1)) < 4, (n, k, mp, s)
+            smem = w4.smem_bytes(128, mp, stages)
             assert smem <= w4.common.SMEM_BYTES
             # at least two programs an SM (228 KiB on Hopper, 1 KiB reserved a program):
             # with 4 stages above 16 rows gate/up and down fit one
             assert 2 * (smem + 1024) <= 228 * 1024, (n, k, mp, stages)
-    # gate/up: 224 tiles, 4 splits at 16 rows (896 programs), 2 above (448)
-    assert [w4.default_k_splits(28672, 4096, 128, mp, w4.default_stages(mp))
-            for mp in (16, 64)] == [4, 2]
-    assert w4.smem_bytes(128, 64, 16, 4) + 1024 > 114 * 1024   # 4 stages: one an SM
-    assert not w4.supported(4096, 128 * 6)      # 6 groups: no split of whole 4-group slabs
-    # 128 groups in one split: the slabs alone push a program past shared memory, so
-    # the default splits further (the fewest that fit: 2)
-    assert [w4.default_k_splits(128 * 1024, 128 * 128, 128, mp) for mp in (16, 64)] == [2, 2]
+    # the splits measured on an H100: qkv and o 8 (4 groups each), gate/up 4 at 16 rows
+    # (896 programs) and 2 above, down 28 at 16 rows and 14 above
+    got = {(n, k): [w4.default_k_splits(n, k, 128, mp, w4.default_stages(mp))
+                    for mp in (16, 64)]
+           for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]}
+    assert got == {(6144, 4096): [8, 8], (4096, 4096): [8, 8], (28672, 4096): [4, 2],
+                   (4096, 14336): [28, 14]}
+    # 64 rows: 2 stages leave room for four programs an SM, 4 stages for two
+    assert [228 * 1024 // (w4.smem_bytes(128, 64, st) + 1024) for st in (2, 4)] == [4, 2]
+    assert w4.supported(4096, 128 * 6) and w4.default_k_splits(4096, 128 * 6, 128) == 1
+    assert not w4.supported(4096, 128 * 3)        # no split of at least 4 groups
     with pytest.raises(ValueError, match="shared memory"):
-        wu8, s, z = _checkpoint(128, 128 * 128)
-        w4.w4a16_matmul(_x(64, 128 * 128), w4.as_int4(wu8), s, z, k_splits=1, stages=8)
+        w4.w4a16_matmul(*_args(64, 128, 128 * 8, seed=0), k_splits=1, stages=12)
 
 
 SD = jax.ShapeDtypeStruct
@@ -206,16 +180,12 @@ SD = jax.ShapeDtypeStruct
                          ids=["qkv", "o", "gate_up", "down"])
 def test_lowers_for_cuda(m, n, k):
     """Every Llama-3.1-8B projection at decode sizes: Mosaic's layout inference and
-    lowering run here, so a kernel the GPU cannot lower fails CI."""
-    args = (SD((m, k), jnp.bfloat16), SD((n, k), jnp.int4), SD((n, k // G), jnp.float32),
-            SD((n, k // G), jnp.float32))
+    lowering run here, so a kernel the GPU cannot lower fails CI (the packed scales'
+    [2, TN] bf16 rows a pipeline step, read with the row layout)."""
+    args = (SD((m, k), jnp.bfloat16), SD((n, k), jnp.int4), SD((2 * k // G, n), jnp.bfloat16))
     text = lower_for_cuda(w4.w4a16_matmul, *args)
     assert "mosaic_gpu" in text
     # x goes to the kernel as it is, its tiles read past M (TMA fills zeros): no pad;
     # by default on jax >= 0.11 the partials come out [S, M, N], with no transpose
     assert "stablehlo.pad" not in text
     assert ("stablehlo.transpose" in text) != (w4.OUT_ROWS and w4.ROWS)
-    # packed scales: [2, TN] rows of bf16 a pipeline step, read with the row layout
-    packed = (*args[:2], SD((2 * k // G, n), jnp.bfloat16))
-    text = lower_for_cuda(w4.w4a16_matmul, *packed)
-    assert "mosaic_gpu" in text and "stablehlo.pad" not in text

@@ -25,7 +25,7 @@ def test_mosaic_only_where_it_applies(monkeypatch):
     assert int4_kernels.use_mosaic_int4(G128, 4096, 4096, bf16)
     assert not int4_kernels.use_mosaic_int4(LinearScheme("uint4", group=64), 4096, 4096, bf16)
     assert not int4_kernels.use_mosaic_int4(G128, 4096 + 64, 4096, bf16)   # N off the 128 tiles
-    assert not int4_kernels.use_mosaic_int4(G128, 4096, 128 * 6, bf16)     # no 4-group slabs
+    assert not int4_kernels.use_mosaic_int4(G128, 4096, 128 * 3, bf16)     # no 4-group split
     # its arithmetic is bf16: an f16 model keeps the Triton kernel, which computes in f16
     assert not int4_kernels.use_mosaic_int4(G128, 4096, 4096, jnp.float16)
     monkeypatch.setenv("JAXLLM_INT4_MOSAIC", "0")

@@ -80,7 +80,8 @@ def int4_kernel_matmul(x, wq, scale, zero, scheme: LinearScheme, nk: int,
     """grouped_dequant_matmul's contract through the fused kernel: the projection's
     dims flattened to [T, K] x [N, K/2] (two nibbles a byte along the last K dim, so
     flattening keeps each pair) -> [T, N...] in x's dtype. zero None: `scale` packed
-    (above), which only the Mosaic kernel reads as it is."""
+    (above), as the Mosaic kernel reads it (f32 scales it is given are packed first, a
+    kernel of XLA's each call: the engine stores them packed where it runs)."""
     from pallas_kernels.quant_matmul import quant_matmul_int4   # Triton lowering, lazily
     t = x.shape[0]
     xf = x.reshape(t, -1)
@@ -93,8 +94,9 @@ def int4_kernel_matmul(x, wq, scale, zero, scheme: LinearScheme, nk: int,
     elif not mosaic:
         scale, zero = unpack(scale, (n,))
     if mosaic:
-        from pallas_kernels.w4a16_mgpu import as_int4, w4a16_matmul   # Mosaic GPU, lazily
-        y = w4a16_matmul(xf, as_int4(wq), scale, zero, out_dtype=x.dtype, interpret=interpret)
+        from pallas_kernels.w4a16_mgpu import as_int4, pack_scales, w4a16_matmul   # lazily
+        scales = scale if zero is None else pack_scales(scale, zero)
+        y = w4a16_matmul(xf, as_int4(wq), scales, out_dtype=x.dtype, interpret=interpret)
     else:
         y = quant_matmul_int4(xf, wq, scale, zero,
                               group=scheme.group, out_dtype=x.dtype, interpret=interpret)
