@@ -26,10 +26,10 @@ SHAPES = dict(hidden_size=512, intermediate_size=512, num_attention_heads=4,
 DOWN = ("layers", 0, "mlp", "down_proj")
 
 
-def _awq(tmp_path):
-    folder = str(tmp_path / "awq")
+def _awq(tmp_path, method="awq", **kw):
+    folder = str(tmp_path / method)
     hf = qu.make_model(folder, "llama", **SHAPES)
-    qu.write_gptq_or_awq(folder, hf, "awq", group=128, sym=False)
+    qu.write_gptq_or_awq(folder, hf, method, group=128, **({"sym": False} | kw))
     return folder, hf
 
 
@@ -76,16 +76,21 @@ def _bf16_scales(tensors):
     nothing, so a packed and an f32 load dequantize to the same weights."""
     import torch
     for name, t in tensors.items():
-        if name.endswith(".scales"):
+        if name.endswith((".scales", ".weight_scale")):
             tensors[name] = t.to(torch.bfloat16).to(t.dtype)
 
 
-def test_packed_load_decodes_as_f32_scales(tmp_path, monkeypatch):
-    """An AWQ checkpoint loaded packed (bf16 model, a Hopper GPU faked): down_proj's
-    scales are pack_scales of the f32 load's, with no zero-point parameter, and greedy
-    decoding on this CPU (XLA's path, which unpacks them) gives the f32 load's tokens
-    (scales that bf16 holds exactly, so both loads' weights are the same numbers)."""
-    folder = qu.edited_copy(_awq(tmp_path)[0], tmp_path / "bf16-scales",
+@pytest.mark.parametrize("method,kw", [("awq", {}), ("gptq", dict(sym=True)),
+                                       ("gptq", dict(version="gptq_v2")),
+                                       ("pack", dict(sym=False))],
+                         ids=["awq", "gptq-sym", "gptq_v2-asym", "pack-quantized-asym"])
+def test_packed_load_decodes_as_f32_scales(tmp_path, monkeypatch, method, kw):
+    """A 4-bit checkpoint (AWQ, GPTQ v1 / v2, compressed-tensors pack-quantized) loaded
+    packed (bf16 model, a Hopper GPU faked): down_proj's scales are pack_scales of the
+    f32 load's, with no zero-point parameter, and greedy decoding on this CPU (XLA's
+    path, which unpacks them) gives the f32 load's tokens (scales that bf16 holds
+    exactly, so both loads' weights are the same numbers)."""
+    folder = qu.edited_copy(_awq(tmp_path, method, **kw)[0], tmp_path / "bf16-scales",
                             edit_tensors=_bf16_scales)
     prompts = qu.prompts(qu.shared().TINY_VOCAB)
     loads = {}
