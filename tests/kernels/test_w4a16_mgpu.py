@@ -164,6 +164,8 @@ def test_default_splits_cover_the_sms():
            for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]}
     assert got == {(6144, 4096): [8, 8], (4096, 4096): [8, 8], (28672, 4096): [4, 2],
                    (4096, 14336): [28, 14]}
+    # the kernel's dynamic shared memory in Mosaic's dumps (jax 0.11.2)
+    assert [w4.smem_bytes(128, 16, 4), w4.smem_bytes(128, 64, 2)] == [51232, 50192]
     # 64 rows: 2 stages leave room for four programs an SM, 4 stages for two
     assert [228 * 1024 // (w4.smem_bytes(128, 64, st) + 1024) for st in (2, 4)] == [4, 2]
     assert w4.supported(4096, 128 * 6) and w4.default_k_splits(4096, 128 * 6, 128) == 1
