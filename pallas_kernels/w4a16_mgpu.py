@@ -160,12 +160,16 @@ def w4a16_matmul(x, q, scales, *, out_dtype=None, tile_n=128, k_splits=None, sta
     mp = max(16, common.next_pow2(m))
     out_rows = OUT_ROWS and ROWS if out_rows is None else out_rows
     stages = stages or default_stages(mp)
-    splits = k_splits or default_k_splits(n, k, tile_n, mp, stages)
-    if not splits or groups % splits:
-        raise ValueError(f"k_splits {splits}: must divide K's {groups} groups")
+    # shared memory first: default_k_splits gives 0 for a program over it as well
     if smem_bytes(tile_n, mp, stages) > common.SMEM_BYTES:
         raise ValueError(f"tile_n {tile_n}, {stages} stages at {mp} rows: over the shared "
                          "memory of a program")
+    splits = k_splits or default_k_splits(n, k, tile_n, mp, stages)
+    if not splits:
+        raise ValueError(f"K's {groups} groups: no default split of at least 4 groups "
+                         "(pass k_splits)")
+    if groups % splits:
+        raise ValueError(f"k_splits {splits}: must divide K's {groups} groups")
     # x goes in unpadded, its tiles [Mp, G] read past its M rows: TMA fills those rows
     # with zeros (a pad would be a kernel of its own at every call below 16 rows), the
     # interpreter with NaNs, so its runs also show that no row leaks into another.

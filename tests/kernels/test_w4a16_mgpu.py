@@ -141,6 +141,8 @@ def test_bad_operands_are_refused():
         w4.w4a16_matmul(_x(65, 512), q, sz)
     with pytest.raises(ValueError, match="k_splits 3: must divide K's 4 groups"):
         w4.w4a16_matmul(_x(4, 512), q, sz, k_splits=3)
+    with pytest.raises(ValueError, match="K's 2 groups: no default split of at least 4"):
+        w4.w4a16_matmul(*_args(4, 128, 256, seed=0))
 
 
 def test_default_splits_cover_the_sms():

@@ -27,13 +27,17 @@ def is_hopper() -> bool:
     return hopper()
 
 
+def _mosaic_on(dtype) -> bool:
+    """The switch on (read first, so a bad value is refused wherever it is asked), a
+    bf16 input (the kernel's arithmetic is bf16), a Hopper GPU."""
+    import jax.numpy as jnp
+    return (env_switch("JAXLLM_INT4_MOSAIC", True) and jnp.dtype(dtype) == jnp.bfloat16
+            and is_hopper())
+
+
 def wanted(tp: int, dtype) -> bool:
     """Whether the Mosaic kernel will run this model's uint4 layers."""
-    if tp != 1 or dtype is None:
-        return False
-    import jax.numpy as jnp
-    return (jnp.dtype(dtype) == jnp.bfloat16 and env_switch("JAXLLM_INT4_MOSAIC", True)
-            and is_hopper())
+    return tp == 1 and dtype is not None and _mosaic_on(dtype)
 
 
 def packable(scheme: LinearScheme) -> bool:
@@ -67,12 +71,10 @@ def unpack(packed, out_shape: tuple):
 def use_mosaic_int4(scheme: LinearScheme, n: int, k: int, x_dtype) -> bool:
     """The Mosaic GPU kernel (w4a16_mgpu.py, bf16 arithmetic; JAXLLM_INT4_MOSAIC=0 for
     the Triton one): groups of 128, a bf16 input, shapes it tiles, a Hopper GPU."""
-    import jax.numpy as jnp
-    if not (env_switch("JAXLLM_INT4_MOSAIC", True) and scheme.group == 128
-            and jnp.dtype(x_dtype) == jnp.bfloat16):
+    if not (_mosaic_on(x_dtype) and scheme.group == GROUP):
         return False
     from pallas_kernels import w4a16_mgpu
-    return w4a16_mgpu.supported(n, k) and is_hopper()
+    return w4a16_mgpu.supported(n, k)
 
 
 def int4_kernel_matmul(x, wq, scale, zero, scheme: LinearScheme, nk: int,
