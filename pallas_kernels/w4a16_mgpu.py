@@ -122,10 +122,10 @@ def smem_bytes(tile_n: int, mp: int, stages: int) -> int:
 
 def default_stages(mp: int) -> int:
     """Pipeline depth: 4 up to 16 rows; 2 above, where x's tiles grow. Measured on an
-    H100 with the scale slabs the kernel read before packed scales: there 4 stages left
-    room for one gate/up program an SM, 2 stages for two, and 2 took 0.81x the time of
-    a layer's four matmuls at 64 rows, 0.90x at 32. Without the slabs 4 stages leave
-    room for two programs an SM, 2 for four."""
+    H100 with f32 scale slabs in each program's shared memory (not packed scales):
+    there 4 stages left room for one gate/up program an SM, 2 stages for two, and 2
+    took 0.81x the time of a layer's four matmuls at 64 rows, 0.90x at 32. With packed
+    scales 4 stages leave room for two programs an SM, 2 for four."""
     return 4 if mp <= 16 else 2
 
 
