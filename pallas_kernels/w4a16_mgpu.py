@@ -18,9 +18,16 @@ transpose it before its pipeline: a layer's four matmuls took 1.04-1.08x the tim
 an H100, docs/benchmarks.md).
 
 Grid (N / TN, S). A program owns TN channels and 1/S of K and computes
-acc[TN, Mp] += W[TN, G] @ x^T[G, Mp] per step, with W = (q - z) * s: the integer
-difference is exact in bf16, the scale rounded to bf16 (vLLM's Marlin kernels also
-take a bf16 model's scales in bf16). The weight is the MMA's M dimension (x's few
+acc[TN, Mp] += W[TN, G] @ x^T[G, Mp] per step, with W = (q - z) * s, the scale in
+bf16 (vLLM's Marlin kernels also take a bf16 model's scales in bf16) and the product
+one fma a pair of values, (q - 8) * s + c with c = -(z - 8) * s in bf16 (where a sub
+and a mul took two). The tile is loaded in the layout meant for 4-bit values bound
+for wgmma (WGMMA_UPCAST_4X: 128-bit shared-memory loads) and relaid out while still
+4-bit, before it is widened: compiled for sm_90a the main loop of a 16-row program
+is 493 instructions a step (128 weight values a thread), against 681 with the tile
+widened in the 2X layout and relaid out as bf16 and a sub and a mul a pair
+(`scripts/aot_step.py --quant-matmul mgpu_w4` with MOSAIC_GPU_DUMP_TO, the SASS
+counted). The weight is the MMA's M dimension (x's few
 rows would not fill it). Each split writes f32 partials, [S, N, Mp] (their sum a
 reduce kernel of its own after each projection, compiled for the H200) or with
 `out_rows` [S, M, N] (the sum fused into the consumer, as the Triton kernel's; only
@@ -60,16 +67,17 @@ def as_int4(w_u8):
 def ref_w4a16_matmul(x, q, scales, *, out_dtype=None, **settings):
     """x [M, K], q int4 [N, K] (uint4 values reread, see as_int4), scales bf16 [2 K/G, N]
     (``pack_scales``) -> [M, N] ``out_dtype`` (default x's dtype). The weight as the kernel
-    widens it: (q - z) exact, times the scale rounded to bf16, rounded to bf16 (one
-    rounding: the product of an integer below 2^8 and a bf16 is exact in f32); the
-    dot in f32."""
+    widens it, (q - z) * s as one fma: (q - 8) * s + c with c = -(z - 8) * s rounded to
+    bf16, the sum rounded to bf16 once (exact in f32 before that rounding: a 4-bit
+    integer times a bf16, plus a bf16 of at most 2^4 times its size); the dot in f32."""
     del settings
     scale, zero = unpack_scales(scales)
     k = q.shape[1]
     g = jnp.arange(k) // GROUP
     v = q.astype(jnp.float32)
     v = jnp.where(v < 0, v + 16, v)
-    w = ((v - zero[:, g]) * scale[:, g]).astype(jnp.bfloat16)
+    c = (-(zero - 8) * scale).astype(jnp.bfloat16).astype(jnp.float32)
+    w = ((v - 8) * scale[:, g] + c[:, g]).astype(jnp.bfloat16)
     y = jnp.einsum("mk,nk->mn", x.astype(jnp.bfloat16).astype(jnp.float32),
                    w.astype(jnp.float32), precision=lax.Precision.HIGHEST)
     return y.astype(out_dtype or x.dtype)
@@ -142,11 +150,12 @@ def supported(n: int, k: int, tile_n: int = 128) -> bool:
 # compiled on its own (~0.9 s each on the GPU machine, 128 a decode step of an 8B
 # model, so minutes of warm-up), while identical calls through one jit compile once.
 @functools.partial(jax.jit, static_argnames=("out_dtype", "tile_n", "k_splits", "stages",
-                                             "out_rows", "interpret"))
+                                             "out_rows", "overlap", "interpret"))
 def w4a16_matmul(x, q, scales, *, out_dtype=None, tile_n=128, k_splits=None, stages=None,
-                 out_rows=None, interpret=False):
+                 out_rows=None, overlap=False, interpret=False):
     """Same contract as ``ref_w4a16_matmul``; the rest are kernel settings (`out_rows`:
-    the partials' layout, OUT_ROWS's by default). M <= 64."""
+    the partials' layout, OUT_ROWS's by default; `overlap`: a step's wgmma left running
+    while the next step widens its tile, x's stage released a step later). M <= 64."""
     m, k = x.shape
     n = q.shape[0]
     groups = k // GROUP
@@ -175,7 +184,7 @@ def w4a16_matmul(x, q, scales, *, out_dtype=None, tile_n=128, k_splits=None, sta
     # interpreter with NaNs, so its runs also show that no row leaks into another.
     out = _call(x.astype(jnp.bfloat16), q, scales.astype(jnp.bfloat16), n=n, m=m, mp=mp,
                 tile_n=tile_n, splits=splits, per=groups // splits, stages=stages,
-                out_rows=out_rows, interpret=interpret)
+                out_rows=out_rows, overlap=overlap, interpret=interpret)
     y = out.sum(0) if out_rows else out.sum(0)[:, :m].T
     return y.astype(out_dtype or x.dtype)
 
@@ -186,7 +195,8 @@ def _transforms(minor_bits: int, elem_bits: int, what: str):
             plgpu.SwizzleTransform(swizzle))
 
 
-def _call(x, q, scales, *, n, m, mp, tile_n, splits, per, stages, out_rows, interpret):
+def _call(x, q, scales, *, n, m, mp, tile_n, splits, per, stages, out_rows, overlap,
+          interpret):
     q_tr = _transforms(GROUP * 4, 4, "weight")
     x_tr = _transforms(GROUP * 16, 16, "x")
     # Interpret mode's wgmma reads A from shared memory only and takes no transposed
@@ -201,7 +211,7 @@ def _call(x, q, scales, *, n, m, mp, tile_n, splits, per, stages, out_rows, inte
         def step(idx, q_smem, x_smem, sz_smem, acc):
             # the stage's [2, TN]: the group's scales, then its zero points
             _group(q_smem, x_smem, sz_smem.at[0], sz_smem.at[1], acc, a_smem,
-                   interpret=interpret)
+                   overlap=overlap, interpret=interpret)
             return acc
 
         def epilogue(acc, tile):
@@ -226,9 +236,12 @@ def _call(x, q, scales, *, n, m, mp, tile_n, splits, per, stages, out_rows, inte
                 in_specs=[
                     plgpu.BlockSpec((tile_n, GROUP), lambda j: (ni, first + j),
                                     transforms=q_tr),
-                    plgpu.BlockSpec((mp, GROUP), lambda j: (0, first + j), transforms=x_tr),
+                    plgpu.BlockSpec((mp, GROUP), lambda j: (0, first + j), transforms=x_tr,
+                                    delay_release=int(overlap)),
                     plgpu.BlockSpec((2, tile_n), lambda j: (first + j, ni)),
                 ])(q_gmem, x_gmem, sz_gmem)
+            if overlap:
+                plgpu.wgmma_wait(0)
             # The partials leave through a shared-memory tile allocated after the
             # pipeline's buffers are freed (so in their place). With out_rows they are
             # written [S, M, N] (the tile stored transposed, from registers relaid out
@@ -249,23 +262,37 @@ def _call(x, q, scales, *, n, m, mp, tile_n, splits, per, stages, out_rows, inte
     return f(q, x, scales)
 
 
-def _group(q_smem, x_smem, s_ref, z_ref, acc, a_smem, *, interpret):
+def _group(q_smem, x_smem, s_ref, z_ref, acc, a_smem, *, overlap, interpret):
     """acc[TN, Mp] += ((q - z) * s)[TN, G] @ x^T[G, Mp] for one group: s and z the
     group's [TN] bf16 scales and zero points in shared memory."""
     row = plgpu.Layout.WGMMA.reduce(1)
     if interpret:
         w, z, s = q_smem[...], z_ref[...], s_ref[...]
     else:
-        w = plgpu.load(q_smem, (), layout=plgpu.Layout.WGMMA_UPCAST_2X)
+        w = plgpu.load(q_smem, (), layout=plgpu.Layout.WGMMA_UPCAST_4X)
         z = plgpu.load(z_ref, (), layout=row, optimized=False)
         s = plgpu.load(s_ref, (), layout=row, optimized=False)
     # Flipping each nibble's top bit turns the reread q - 16 [q >= 8] into q - 8 (one
     # xor a register); the zero point takes the 8: q - z = (q - 8) - (z - 8).
-    w = (w ^ jnp.int4(-8)).astype(jnp.bfloat16)
+    w = w ^ jnp.int4(-8)
     if not interpret:
+        # Relaid out while 4-bit (4X -> 2X -> wgmma's: a shuffle and a permute a
+        # register of 8 values), where the widened tile took a shuffle and three
+        # selects a 4 values.
         w = plgpu.layout_cast(w, plgpu.Layout.WGMMA)
-    z, s = z.astype(jnp.bfloat16) - 8, s.astype(jnp.bfloat16)
-    w = (w - lax.broadcast_in_dim(z, w.shape, (0,))) * lax.broadcast_in_dim(s, w.shape, (0,))
+    w = w.astype(jnp.bfloat16)                                  # q - 8, exact
+    # (q - z) * s as one fma a pair: (q - 8) * s + c, c = -(z - 8) * s rounded to bf16
+    # (the group's [TN] row, once a step); ref_w4a16_matmul rounds the same way.
+    s = s.astype(jnp.bfloat16)
+    c = -(z.astype(jnp.bfloat16) - 8) * s
+    sb = lax.broadcast_in_dim(s, w.shape, (0,))
+    cb = lax.broadcast_in_dim(c, w.shape, (0,))
+    if interpret:
+        # one rounding, as the GPU's fma (the interpreter rounds each bf16 op)
+        w = (w.astype(jnp.float32) * sb.astype(jnp.float32)
+             + cb.astype(jnp.float32)).astype(jnp.bfloat16)
+    else:
+        w = w * sb + cb
     xt = plgpu.transpose_ref(x_smem, (1, 0))                             # x^T [G, Mp]
     if a_smem:
         a_smem[0][...] = w
@@ -273,7 +300,7 @@ def _group(q_smem, x_smem, s_ref, z_ref, acc, a_smem, *, interpret):
         plgpu.commit_smem()
         w, xt = a_smem
     plgpu.wgmma(acc, w, xt)
-    plgpu.wgmma_wait(0)
+    plgpu.wgmma_wait(int(overlap))
 
 
 def _interpret_params():

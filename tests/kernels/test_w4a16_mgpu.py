@@ -4,6 +4,8 @@ the twin, and its lowering for CUDA (Mosaic's layout inference runs there, on th
 CPU)."""
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -84,6 +86,7 @@ def test_pack_scales_layout():
     (16, 128, 2048, dict(k_splits=4, out_rows=True)),
     (1, 256, 12 * G, dict(k_splits=4)),           # splits of 3 groups
     (40, 256, 12 * G, dict(k_splits=6)),          # and of 2
+    (16, 128, 1024, dict(overlap=True)),          # wgmma left running a step
 ], ids=str)
 def test_kernel_matches_twin_interpret(m, n, k, settings):
     args = _args(m, n, k, seed=m)
@@ -193,3 +196,12 @@ def test_lowers_for_cuda(m, n, k):
     # by default on jax >= 0.11 the partials come out [S, M, N], with no transpose
     assert "stablehlo.pad" not in text
     assert ("stablehlo.transpose" in text) != (w4.OUT_ROWS and w4.ROWS)
+
+
+def test_overlap_lowers_for_cuda():
+    """The setting that leaves a step's wgmma running (x's stage released a step later)
+    lowers for the GPU too."""
+    args = (SD((16, 4096), jnp.bfloat16), SD((28672, 4096), jnp.int4),
+            SD((64, 28672), jnp.bfloat16))
+    text = lower_for_cuda(functools.partial(w4.w4a16_matmul, overlap=True), *args)
+    assert "mosaic_gpu" in text
