@@ -118,13 +118,13 @@ def default_k_splits(n: int, k: int, tile_n: int, mp: int = MAX_M, stages: int =
     return enough[0] if enough else fits[-1]
 
 
-def smem_bytes(tile_n: int, mp: int, stages: int) -> int:
+def smem_bytes(tile_n: int, mp: int, stages: int, gps: int = 1) -> int:
     """A program's shared memory: the pipeline's tiles (weight, x and the group's
     scale and zero-point rows a stage) or, in their place once the pipeline is done,
     the output tile, and an 8-byte barrier a stage: the kernel's dynamic shared memory
     as Mosaic sizes it (its dumps, jax 0.11.2: 51,232 bytes at 16 rows with 4 stages,
-    50,192 at 64 rows with 2)."""
-    stage = tile_n * GROUP // 2 + mp * GROUP * 2 + 2 * tile_n * 2
+    50,192 at 64 rows with 2). ``gps``: groups a stage."""
+    stage = gps * (tile_n * GROUP // 2 + mp * GROUP * 2 + 2 * tile_n * 2)
     return max(stages * stage, tile_n * mp * 4) + 8 * stages
 
 
@@ -150,12 +150,14 @@ def supported(n: int, k: int, tile_n: int = 128) -> bool:
 # compiled on its own (~0.9 s each on the GPU machine, 128 a decode step of an 8B
 # model, so minutes of warm-up), while identical calls through one jit compile once.
 @functools.partial(jax.jit, static_argnames=("out_dtype", "tile_n", "k_splits", "stages",
-                                             "out_rows", "overlap", "interpret"))
+                                             "out_rows", "overlap", "groups_per_step",
+                                             "interpret"))
 def w4a16_matmul(x, q, scales, *, out_dtype=None, tile_n=128, k_splits=None, stages=None,
-                 out_rows=None, overlap=False, interpret=False):
+                 out_rows=None, overlap=False, groups_per_step=1, interpret=False):
     """Same contract as ``ref_w4a16_matmul``; the rest are kernel settings (`out_rows`:
     the partials' layout, OUT_ROWS's by default; `overlap`: a step's wgmma left running
-    while the next step widens its tile, x's stage released a step later). M <= 64."""
+    while the next step widens its tile, x's stage released a step later;
+    `groups_per_step`: groups a pipeline stage copies, one wgmma each). M <= 64."""
     m, k = x.shape
     n = q.shape[0]
     groups = k // GROUP
@@ -170,21 +172,25 @@ def w4a16_matmul(x, q, scales, *, out_dtype=None, tile_n=128, k_splits=None, sta
     out_rows = OUT_ROWS and ROWS if out_rows is None else out_rows
     stages = stages or default_stages(mp)
     # shared memory first: default_k_splits gives 0 for a program over it as well
-    if smem_bytes(tile_n, mp, stages) > common.SMEM_BYTES:
+    gps = groups_per_step
+    if gps not in (1, 2, 4):
+        raise ValueError(f"groups_per_step {gps}: 1, 2 or 4")
+    if smem_bytes(tile_n, mp, stages, gps) > common.SMEM_BYTES:
         raise ValueError(f"tile_n {tile_n}, {stages} stages at {mp} rows: over the shared "
                          "memory of a program")
     splits = k_splits or default_k_splits(n, k, tile_n, mp, stages)
     if not splits:
         raise ValueError(f"K's {groups} groups: no default split of at least 4 groups "
                          "(pass k_splits)")
-    if groups % splits:
-        raise ValueError(f"k_splits {splits}: must divide K's {groups} groups")
+    if groups % splits or groups // splits % gps:
+        raise ValueError(f"k_splits {splits}: must divide K's {groups} groups (into "
+                         f"splits of a multiple of {gps} groups)")
     # x goes in unpadded, its tiles [Mp, G] read past its M rows: TMA fills those rows
     # with zeros (a pad would be a kernel of its own at every call below 16 rows), the
     # interpreter with NaNs, so its runs also show that no row leaks into another.
     out = _call(x.astype(jnp.bfloat16), q, scales.astype(jnp.bfloat16), n=n, m=m, mp=mp,
                 tile_n=tile_n, splits=splits, per=groups // splits, stages=stages,
-                out_rows=out_rows, overlap=overlap, interpret=interpret)
+                out_rows=out_rows, overlap=overlap, gps=gps, interpret=interpret)
     y = out.sum(0) if out_rows else out.sum(0)[:, :m].T
     return y.astype(out_dtype or x.dtype)
 
@@ -195,7 +201,7 @@ def _transforms(minor_bits: int, elem_bits: int, what: str):
             plgpu.SwizzleTransform(swizzle))
 
 
-def _call(x, q, scales, *, n, m, mp, tile_n, splits, per, stages, out_rows, overlap,
+def _call(x, q, scales, *, n, m, mp, tile_n, splits, per, stages, out_rows, overlap, gps,
           interpret):
     q_tr = _transforms(GROUP * 4, 4, "weight")
     x_tr = _transforms(GROUP * 16, 16, "x")
@@ -209,9 +215,12 @@ def _call(x, q, scales, *, n, m, mp, tile_n, splits, per, stages, out_rows, over
         chans = pl.ds(ni * tile_n, tile_n)                               # of N
 
         def step(idx, q_smem, x_smem, sz_smem, acc):
-            # the stage's [2, TN]: the group's scales, then its zero points
-            _group(q_smem, x_smem, sz_smem.at[0], sz_smem.at[1], acc, a_smem,
-                   overlap=overlap, interpret=interpret)
+            for h in range(gps):
+                # a group's [2, TN] rows: its scales, then its zero points
+                cols = pl.ds(h * GROUP, GROUP)
+                _group(q_smem.at[:, cols], x_smem.at[:, cols], sz_smem.at[2 * h],
+                       sz_smem.at[2 * h + 1], acc, a_smem, overlap=overlap,
+                       interpret=interpret)
             return acc
 
         def epilogue(acc, tile):
@@ -230,15 +239,15 @@ def _call(x, q, scales, *, n, m, mp, tile_n, splits, per, stages, out_rows, over
             plgpu.wait_smem_to_gmem(0)
 
         def run(acc):
-            first = si * per
+            first = si * (per // gps)                       # in stages of gps groups
             plgpu.emit_pipeline(
-                step, grid=(per,), max_concurrent_steps=stages, init_carry=acc,
+                step, grid=(per // gps,), max_concurrent_steps=stages, init_carry=acc,
                 in_specs=[
-                    plgpu.BlockSpec((tile_n, GROUP), lambda j: (ni, first + j),
+                    plgpu.BlockSpec((tile_n, gps * GROUP), lambda j: (ni, first + j),
                                     transforms=q_tr),
-                    plgpu.BlockSpec((mp, GROUP), lambda j: (0, first + j), transforms=x_tr,
-                                    delay_release=int(overlap)),
-                    plgpu.BlockSpec((2, tile_n), lambda j: (first + j, ni)),
+                    plgpu.BlockSpec((mp, gps * GROUP), lambda j: (0, first + j),
+                                    transforms=x_tr, delay_release=int(overlap)),
+                    plgpu.BlockSpec((2 * gps, tile_n), lambda j: (first + j, ni)),
                 ])(q_gmem, x_gmem, sz_gmem)
             if overlap:
                 plgpu.wgmma_wait(0)

@@ -87,6 +87,8 @@ def test_pack_scales_layout():
     (1, 256, 12 * G, dict(k_splits=4)),           # splits of 3 groups
     (40, 256, 12 * G, dict(k_splits=6)),          # and of 2
     (16, 128, 1024, dict(overlap=True)),          # wgmma left running a step
+    (3, 128, 1024, dict(groups_per_step=2, k_splits=2)),
+    (16, 256, 2048, dict(groups_per_step=4, k_splits=2, overlap=True)),
 ], ids=str)
 def test_kernel_matches_twin_interpret(m, n, k, settings):
     args = _args(m, n, k, seed=m)
@@ -144,6 +146,10 @@ def test_bad_operands_are_refused():
         w4.w4a16_matmul(_x(65, 512), q, sz)
     with pytest.raises(ValueError, match="k_splits 3: must divide K's 4 groups"):
         w4.w4a16_matmul(_x(4, 512), q, sz, k_splits=3)
+    with pytest.raises(ValueError, match="groups_per_step 3: 1, 2 or 4"):
+        w4.w4a16_matmul(_x(4, 512), q, sz, k_splits=1, groups_per_step=3)
+    with pytest.raises(ValueError, match="splits of a multiple of 4 groups"):
+        w4.w4a16_matmul(_x(4, 512), q, sz, k_splits=2, groups_per_step=4)
     with pytest.raises(ValueError, match="K's 2 groups: no default split of at least 4"):
         w4.w4a16_matmul(*_args(4, 128, 256, seed=0))
 
@@ -198,10 +204,12 @@ def test_lowers_for_cuda(m, n, k):
     assert ("stablehlo.transpose" in text) != (w4.OUT_ROWS and w4.ROWS)
 
 
-def test_overlap_lowers_for_cuda():
-    """The setting that leaves a step's wgmma running (x's stage released a step later)
-    lowers for the GPU too."""
+@pytest.mark.parametrize("settings", [dict(overlap=True), dict(groups_per_step=2),
+                                      dict(groups_per_step=4, overlap=True)], ids=str)
+def test_settings_lower_for_cuda(settings):
+    """The sweep's settings (a step's wgmma left running, x's stage released a step
+    later; two or four groups a stage) lower for the GPU too."""
     args = (SD((16, 4096), jnp.bfloat16), SD((28672, 4096), jnp.int4),
             SD((64, 28672), jnp.bfloat16))
-    text = lower_for_cuda(functools.partial(w4.w4a16_matmul, overlap=True), *args)
+    text = lower_for_cuda(functools.partial(w4.w4a16_matmul, **settings), *args)
     assert "mosaic_gpu" in text
