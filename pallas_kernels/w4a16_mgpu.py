@@ -100,21 +100,22 @@ def unpack_scales(packed):
 
 
 def default_k_splits(n: int, k: int, tile_n: int, mp: int = MAX_M, stages: int = 4) -> int:
-    """Splits of K so the programs cover the SMs several times (several programs an SM
-    keep more weight bytes in flight): four times at 16 rows, where a program's tiles
-    are small, twice above (more splits there write f32 partials that approach the
-    weight's own bytes). The fewest that do among the splits leaving each at least 4
-    groups (on an H100 o's 32 splits of one group took 11.9 us at 16 rows against 10.5
-    with 8 of 4), else the most such splits; 0 if none or a program at ``mp`` rows
-    is over shared memory."""
+    """Splits of K, among those leaving each at least 4 groups (on an H100 o's 32
+    splits of one group took 11.9 us at 16 rows against 10.5 with 8 of 4). Up to 16
+    rows the most of them up to 8: on an H100 with the packed scales, gate/up took
+    31.4 us at 1 row with 8 splits against 34.1 with 4, down 18.6 against 19.3 with 28
+    (docs/benchmarks.md). Above, the fewest whose programs cover the SMs twice (more
+    splits there write f32 partials that approach the weight's own bytes), else the
+    most. 0 if none or a program at ``mp`` rows is over shared memory."""
     groups, tiles = k // GROUP, n // tile_n
     if smem_bytes(tile_n, mp, stages) > common.SMEM_BYTES:
         return 0
     fits = [s for s in range(1, groups // 4 + 1) if groups % s == 0]
     if not fits:
         return 0
-    want = (4 if mp <= 16 else 2) * common.num_sms()
-    enough = [s for s in fits if tiles * s >= want]
+    if mp <= 16:
+        return [s for s in fits if s <= 8][-1]
+    enough = [s for s in fits if tiles * s >= 2 * common.num_sms()]
     return enough[0] if enough else fits[-1]
 
 
@@ -150,14 +151,12 @@ def supported(n: int, k: int, tile_n: int = 128) -> bool:
 # compiled on its own (~0.9 s each on the GPU machine, 128 a decode step of an 8B
 # model, so minutes of warm-up), while identical calls through one jit compile once.
 @functools.partial(jax.jit, static_argnames=("out_dtype", "tile_n", "k_splits", "stages",
-                                             "out_rows", "overlap", "groups_per_step",
-                                             "interpret"))
+                                             "out_rows", "groups_per_step", "interpret"))
 def w4a16_matmul(x, q, scales, *, out_dtype=None, tile_n=128, k_splits=None, stages=None,
-                 out_rows=None, overlap=False, groups_per_step=1, interpret=False):
+                 out_rows=None, groups_per_step=1, interpret=False):
     """Same contract as ``ref_w4a16_matmul``; the rest are kernel settings (`out_rows`:
-    the partials' layout, OUT_ROWS's by default; `overlap`: a step's wgmma left running
-    while the next step widens its tile, x's stage released a step later;
-    `groups_per_step`: groups a pipeline stage copies, one wgmma each). M <= 64."""
+    the partials' layout, OUT_ROWS's by default; `groups_per_step`: groups a pipeline
+    stage copies, one wgmma each). M <= 64."""
     m, k = x.shape
     n = q.shape[0]
     groups = k // GROUP
@@ -190,7 +189,7 @@ def w4a16_matmul(x, q, scales, *, out_dtype=None, tile_n=128, k_splits=None, sta
     # interpreter with NaNs, so its runs also show that no row leaks into another.
     out = _call(x.astype(jnp.bfloat16), q, scales.astype(jnp.bfloat16), n=n, m=m, mp=mp,
                 tile_n=tile_n, splits=splits, per=groups // splits, stages=stages,
-                out_rows=out_rows, overlap=overlap, gps=gps, interpret=interpret)
+                out_rows=out_rows, gps=gps, interpret=interpret)
     y = out.sum(0) if out_rows else out.sum(0)[:, :m].T
     return y.astype(out_dtype or x.dtype)
 
@@ -201,8 +200,7 @@ def _transforms(minor_bits: int, elem_bits: int, what: str):
             plgpu.SwizzleTransform(swizzle))
 
 
-def _call(x, q, scales, *, n, m, mp, tile_n, splits, per, stages, out_rows, overlap, gps,
-          interpret):
+def _call(x, q, scales, *, n, m, mp, tile_n, splits, per, stages, out_rows, gps, interpret):
     q_tr = _transforms(GROUP * 4, 4, "weight")
     x_tr = _transforms(GROUP * 16, 16, "x")
     # Interpret mode's wgmma reads A from shared memory only and takes no transposed
@@ -219,8 +217,7 @@ def _call(x, q, scales, *, n, m, mp, tile_n, splits, per, stages, out_rows, over
                 # a group's [2, TN] rows: its scales, then its zero points
                 cols = pl.ds(h * GROUP, GROUP)
                 _group(q_smem.at[:, cols], x_smem.at[:, cols], sz_smem.at[2 * h],
-                       sz_smem.at[2 * h + 1], acc, a_smem, overlap=overlap,
-                       interpret=interpret)
+                       sz_smem.at[2 * h + 1], acc, a_smem, interpret=interpret)
             return acc
 
         def epilogue(acc, tile):
@@ -246,11 +243,9 @@ def _call(x, q, scales, *, n, m, mp, tile_n, splits, per, stages, out_rows, over
                     plgpu.BlockSpec((tile_n, gps * GROUP), lambda j: (ni, first + j),
                                     transforms=q_tr),
                     plgpu.BlockSpec((mp, gps * GROUP), lambda j: (0, first + j),
-                                    transforms=x_tr, delay_release=int(overlap)),
+                                    transforms=x_tr),
                     plgpu.BlockSpec((2 * gps, tile_n), lambda j: (first + j, ni)),
                 ])(q_gmem, x_gmem, sz_gmem)
-            if overlap:
-                plgpu.wgmma_wait(0)
             # The partials leave through a shared-memory tile allocated after the
             # pipeline's buffers are freed (so in their place). With out_rows they are
             # written [S, M, N] (the tile stored transposed, from registers relaid out
@@ -271,7 +266,7 @@ def _call(x, q, scales, *, n, m, mp, tile_n, splits, per, stages, out_rows, over
     return f(q, x, scales)
 
 
-def _group(q_smem, x_smem, s_ref, z_ref, acc, a_smem, *, overlap, interpret):
+def _group(q_smem, x_smem, s_ref, z_ref, acc, a_smem, *, interpret):
     """acc[TN, Mp] += ((q - z) * s)[TN, G] @ x^T[G, Mp] for one group: s and z the
     group's [TN] bf16 scales and zero points in shared memory."""
     row = plgpu.Layout.WGMMA.reduce(1)
@@ -308,8 +303,10 @@ def _group(q_smem, x_smem, s_ref, z_ref, acc, a_smem, *, overlap, interpret):
         a_smem[1][...] = x_smem[...].T
         plgpu.commit_smem()
         w, xt = a_smem
+    # Waited for here: leaving it running while the next step widens its tile (wait(1),
+    # x's stage released a step later) gave wrong sums on an H100 (errors up to 1e7).
     plgpu.wgmma(acc, w, xt)
-    plgpu.wgmma_wait(int(overlap))
+    plgpu.wgmma_wait(0)
 
 
 def _interpret_params():
