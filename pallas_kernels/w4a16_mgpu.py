@@ -27,12 +27,13 @@ for wgmma (WGMMA_UPCAST_4X: 128-bit shared-memory loads) and relaid out while st
 is 493 instructions a step (128 weight values a thread), against 681 with the tile
 widened in the 2X layout and relaid out as bf16 and a sub and a mul a pair
 (`scripts/aot_step.py --quant-matmul mgpu_w4` with MOSAIC_GPU_DUMP_TO, the SASS
-counted). The weight is the MMA's M dimension (x's few
-rows would not fill it). Each split writes f32 partials, [S, N, Mp] (their sum a
-reduce kernel of its own after each projection, compiled for the H200) or with
-`out_rows` [S, M, N] (the sum fused into the consumer, as the Triton kernel's; only
-x's M rows written, where a decode step of one token has 1 of 16), and XLA sums
-them. x stays [M, K]: its tiles are [Mp, G] TMA copies, which fill the rows past M
+counted); on an H100 a layer's four matmuls at 1 row took 75.0 us against 96.5 for
+the previous form in the same call (82.1 in an earlier one; docs/benchmarks.md).
+The weight is the MMA's M dimension (x's few rows would not fill it). Each split
+writes f32 partials, [S, N, Mp] (their sum a reduce kernel of its own after each
+projection, compiled for the H200) or with `out_rows` [S, M, N] (the sum fused into
+the consumer, as the Triton kernel's; only x's M rows written, where a decode step
+of one token has 1 of 16), and XLA sums them. x stays [M, K]: its tiles are [Mp, G] TMA copies, which fill the rows past M
 with zeros.
 """
 from __future__ import annotations
