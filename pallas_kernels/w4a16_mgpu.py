@@ -33,8 +33,8 @@ The weight is the MMA's M dimension (x's few rows would not fill it). Each split
 writes f32 partials, [S, N, Mp] (their sum a reduce kernel of its own after each
 projection, compiled for the H200) or with `out_rows` [S, M, N] (the sum fused into
 the consumer, as the Triton kernel's; only x's M rows written, where a decode step
-of one token has 1 of 16), and XLA sums them. x stays [M, K]: its tiles are [Mp, G] TMA copies, which fill the rows past M
-with zeros.
+of one token has 1 of 16), and XLA sums them. x stays [M, K]: its tiles are [Mp, G]
+TMA copies, which fill the rows past M with zeros.
 """
 from __future__ import annotations
 
