@@ -152,15 +152,12 @@ def supported(n: int, k: int, tile_n: int = 128) -> bool:
 # compiled on its own (~0.9 s each on the GPU machine, 128 a decode step of an 8B
 # model, so minutes of warm-up), while identical calls through one jit compile once.
 @functools.partial(jax.jit, static_argnames=("out_dtype", "tile_n", "k_splits", "stages",
-                                             "out_rows", "groups_per_step", "scales_once",
-                                             "interpret"))
+                                             "out_rows", "groups_per_step", "interpret"))
 def w4a16_matmul(x, q, scales, *, out_dtype=None, tile_n=128, k_splits=None, stages=None,
-                 out_rows=None, groups_per_step=1, scales_once=False, interpret=False):
+                 out_rows=None, groups_per_step=1, interpret=False):
     """Same contract as ``ref_w4a16_matmul``; the rest are kernel settings (`out_rows`:
     the partials' layout, OUT_ROWS's by default; `groups_per_step`: groups a pipeline
-    stage copies, one wgmma each; `scales_once`: a program copies its [2P, TN] rows of
-    the packed scales once, beside its first weight copies, not a [2, TN] box a step).
-    M <= 64."""
+    stage copies, one wgmma each). M <= 64."""
     m, k = x.shape
     n = q.shape[0]
     groups = k // GROUP
@@ -193,7 +190,7 @@ def w4a16_matmul(x, q, scales, *, out_dtype=None, tile_n=128, k_splits=None, sta
     # interpreter with NaNs, so its runs also show that no row leaks into another.
     out = _call(x.astype(jnp.bfloat16), q, scales.astype(jnp.bfloat16), n=n, m=m, mp=mp,
                 tile_n=tile_n, splits=splits, per=groups // splits, stages=stages,
-                out_rows=out_rows, gps=gps, once=scales_once, interpret=interpret)
+                out_rows=out_rows, gps=gps, interpret=interpret)
     y = out.sum(0) if out_rows else out.sum(0)[:, :m].T
     return y.astype(out_dtype or x.dtype)
 
@@ -204,8 +201,7 @@ def _transforms(minor_bits: int, elem_bits: int, what: str):
             plgpu.SwizzleTransform(swizzle))
 
 
-def _call(x, q, scales, *, n, m, mp, tile_n, splits, per, stages, out_rows, gps, once,
-          interpret):
+def _call(x, q, scales, *, n, m, mp, tile_n, splits, per, stages, out_rows, gps, interpret):
     q_tr = _transforms(GROUP * 4, 4, "weight")
     x_tr = _transforms(GROUP * 16, 16, "x")
     # Interpret mode's wgmma reads A from shared memory only and takes no transposed
@@ -213,31 +209,16 @@ def _call(x, q, scales, *, n, m, mp, tile_n, splits, per, stages, out_rows, gps,
     # first (the GPU keeps the tile in registers and reads x's tile transposed).
     a_tr = _transforms(GROUP * 16, 16, "widened weight")
 
-    def kernel(q_gmem, x_gmem, sz_gmem, out_gmem, *scratch):
+    def kernel(q_gmem, x_gmem, sz_gmem, out_gmem, *a_smem):
         ni, si = lax.axis_index("n"), lax.axis_index("s")
         chans = pl.ds(ni * tile_n, tile_n)                               # of N
-        a_smem = scratch[2:] if once else scratch
-        if once:
-            sz_slab, bar = scratch[:2]
-            plgpu.copy_gmem_to_smem(sz_gmem.at[pl.ds(si * 2 * per, 2 * per), chans], sz_slab,
-                                    bar.at[0])
 
-        def step(idx, q_smem, x_smem, *rest):
-            *sz, acc = rest
-            if once:
-                # waited for in the first step, after the pipeline has issued its first
-                # weight copies, so their latencies overlap
-                pl.when(idx[0] == 0)(lambda: plgpu.barrier_wait(bar.at[0]))
+        def step(idx, q_smem, x_smem, sz_smem, acc):
             for h in range(gps):
                 # a group's [2, TN] rows: its scales, then its zero points
                 cols = pl.ds(h * GROUP, GROUP)
-                if once:
-                    g = 2 * (idx[0] * gps + h)
-                    s_ref, z_ref = sz_slab.at[g], sz_slab.at[g + 1]
-                else:
-                    s_ref, z_ref = sz[0].at[2 * h], sz[0].at[2 * h + 1]
-                _group(q_smem.at[:, cols], x_smem.at[:, cols], s_ref, z_ref, acc, a_smem,
-                       interpret=interpret)
+                _group(q_smem.at[:, cols], x_smem.at[:, cols], sz_smem.at[2 * h],
+                       sz_smem.at[2 * h + 1], acc, a_smem, interpret=interpret)
             return acc
 
         def epilogue(acc, tile):
@@ -264,9 +245,8 @@ def _call(x, q, scales, *, n, m, mp, tile_n, splits, per, stages, out_rows, gps,
                                     transforms=q_tr),
                     plgpu.BlockSpec((mp, gps * GROUP), lambda j: (0, first + j),
                                     transforms=x_tr),
-                ] + ([] if once else [
-                    plgpu.BlockSpec((2 * gps, tile_n), lambda j: (first + j, ni))]),
-            )(q_gmem, x_gmem, *(() if once else (sz_gmem,)))
+                    plgpu.BlockSpec((2 * gps, tile_n), lambda j: (first + j, ni)),
+                ])(q_gmem, x_gmem, sz_gmem)
             # The partials leave through a shared-memory tile allocated after the
             # pipeline's buffers are freed (so in their place). With out_rows they are
             # written [S, M, N] (the tile stored transposed, from registers relaid out
@@ -277,11 +257,8 @@ def _call(x, q, scales, *, n, m, mp, tile_n, splits, per, stages, out_rows, gps,
 
         pl.run_scoped(run, plgpu.ACC((tile_n, mp), jnp.float32))
 
-    scratch = [plgpu.SMEM((2 * per, tile_n), jnp.bfloat16),
-               plgpu.Barrier(num_barriers=1)] if once else []
-    if interpret:
-        scratch += [plgpu.SMEM((tile_n, GROUP), jnp.bfloat16, transforms=a_tr),
-                    plgpu.SMEM((GROUP, mp), jnp.bfloat16)]
+    scratch = [plgpu.SMEM((tile_n, GROUP), jnp.bfloat16, transforms=a_tr),
+               plgpu.SMEM((GROUP, mp), jnp.bfloat16)] if interpret else []
     f = plgpu.kernel(
         kernel, out_type=jax.ShapeDtypeStruct((splits, m, n) if out_rows else (splits, n, mp),
                                               jnp.float32),

@@ -88,8 +88,6 @@ def test_pack_scales_layout():
     (40, 256, 12 * G, dict(k_splits=6)),          # and of 2
     (3, 128, 1024, dict(groups_per_step=2, k_splits=2)),
     (16, 256, 2048, dict(groups_per_step=4, k_splits=2)),
-    (5, 256, 2048, dict(scales_once=True, k_splits=2)),
-    (16, 128, 2048, dict(scales_once=True, groups_per_step=2, k_splits=2)),
 ], ids=str)
 def test_kernel_matches_twin_interpret(m, n, k, settings):
     args = _args(m, n, k, seed=m)
@@ -210,11 +208,9 @@ def test_lowers_for_cuda(m, n, k):
 
 
 @pytest.mark.parametrize("settings", [dict(groups_per_step=2),
-                                      dict(groups_per_step=4, stages=2),
-                                      dict(scales_once=True)], ids=str)
+                                      dict(groups_per_step=4, stages=2)], ids=str)
 def test_settings_lower_for_cuda(settings):
-    """Two or four groups a pipeline stage, the scales copied once a program: lower
-    for the GPU too."""
+    """Two or four groups a pipeline stage lower for the GPU too."""
     args = (SD((16, 4096), jnp.bfloat16), SD((28672, 4096), jnp.int4),
             SD((64, 28672), jnp.bfloat16))
     text = lower_for_cuda(functools.partial(w4.w4a16_matmul, **settings), *args)
