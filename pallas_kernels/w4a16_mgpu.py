@@ -297,6 +297,8 @@ def _group(q_smem, x_smem, s_ref, z_ref, acc, a_smem, *, interpret):
         w = (w.astype(jnp.float32) * sb.astype(jnp.float32)
              + cb.astype(jnp.float32)).astype(jnp.bfloat16)
     else:
+        # a mul and an add with no rounding mode in the PTX, which ptxas fuses into one
+        # HFMA2 a pair (the SASS has 64 a step and no HMUL2 on the tile)
         w = w * sb + cb
     xt = plgpu.transpose_ref(x_smem, (1, 0))                             # x^T [G, Mp]
     if a_smem:
