@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import int_checkpoints as ic
 import quant_util as qu
 from jaxllm.layers.quantization import int4_kernels, linear
 from jaxllm.layers.quantization.schemes import LinearScheme
@@ -29,7 +30,7 @@ DOWN = ("layers", 0, "mlp", "down_proj")
 def _awq(tmp_path, method="awq", **kw):
     folder = str(tmp_path / method)
     hf = qu.make_model(folder, "llama", **SHAPES)
-    qu.write_gptq_or_awq(folder, hf, method, group=128, **({"sym": False} | kw))
+    ic.write_gptq_or_awq(folder, hf, method, group=128, **({"sym": False} | kw))
     return folder, hf
 
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import int_checkpoints as ic
 import quant_util as qu
 from jaxllm import LLM, SamplingParams
 from jaxllm.models.loader import load_model
@@ -69,7 +70,7 @@ def test_dummy_quantized_engine_runs_and_sizes_kv_by_quantized_bytes(tiny_model,
 
 def test_dummy_gptq_weights_dequantize_to_the_float_range(tmp_path):
     folder = str(tmp_path / "gptq")
-    qu.write_gptq_or_awq(folder, qu.make_model(folder, "llama", **qu.BLOCK_SHAPES), "gptq",
+    ic.write_gptq_or_awq(folder, qu.make_model(folder, "llama", **qu.BLOCK_SHAPES), "gptq",
                          bits=4, group=128)
     loaded = load_model(folder, "float32", "dummy")
     state = dict(nnx.to_flat_state(loaded.state))

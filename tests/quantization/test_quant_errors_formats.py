@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+import int_checkpoints as ic
 import quant_util as qu
 from quant_util import no_device_puts  # noqa: F401  (a fixture)
 from jaxllm.models.errors import CheckpointError
@@ -27,9 +28,9 @@ def checkpoints(tmp_path_factory):
     made = {}
     writers = {
         # default tiny widths: K 64 / 112 in groups of 32 and 64, the last one short
-        "gptq": lambda f: qu.write_gptq_or_awq(f, qu.make_model(f, "llama"), "gptq",
+        "gptq": lambda f: ic.write_gptq_or_awq(f, qu.make_model(f, "llama"), "gptq",
                                                bits=4, group=32, desc_act=True),
-        "awq": lambda f: qu.write_gptq_or_awq(f, qu.make_model(f, "llama"), "awq",
+        "awq": lambda f: ic.write_gptq_or_awq(f, qu.make_model(f, "llama"), "awq",
                                               group=64, sym=False),
         "pack": lambda f: qu.write_compressed_tensors(
             f, qu.make_model(f, "llama", **qu.BLOCK_SHAPES), "W4A16_ASYM"),

@@ -3,7 +3,7 @@ GPTQ (v1 zeros minus one and v2, symmetric and asymmetric, act order with g_idx,
 group sizes 32/64/128, 4 and 8 bits), AWQ GEMM (interleaved packing; a module left
 float by modules_to_not_convert) and compressed-tensors pack-quantized with
 `actorder: group` (weight_g_idx), written by hand from the published layouts
-(quant_util.write_gptq_or_awq); compressed-tensors pack-quantized W4A16 (symmetric
+(int_checkpoints.write_gptq_or_awq); compressed-tensors pack-quantized W4A16 (symmetric
 and asymmetric) and W8A16, packed by the compressed-tensors package.
 
 Oracles: HF transformers (float32) with the same weights dequantized (by the writer;
@@ -18,6 +18,7 @@ import torch
 import transformers as tf
 from flax import nnx
 
+import int_checkpoints as ic
 import quant_util as qu
 
 N = 24
@@ -52,7 +53,7 @@ def test_gptq_awq_greedy_matches_dequantized_hf(tmp_path, case):
                   num_attention_heads=3, num_key_value_heads=1) if "ragged" in case \
         else qu.BLOCK_SHAPES
     hf = qu.make_model(folder, arch, **shapes)
-    qu.write_gptq_or_awq(folder, hf, kw.pop("method"), **kw)
+    ic.write_gptq_or_awq(folder, hf, kw.pop("method"), **kw)
     prompts = qu.prompts(qu.shared().TINY_VOCAB)
     ours, llm = qu.jaxllm_greedy(folder, prompts, N)
     assert ours == qu.hf_greedy(hf, prompts, N)
@@ -81,7 +82,7 @@ def test_pack_act_order_layout_decodes_with_compressed_tensors(tmp_path):
     from safetensors.torch import load_file
     folder = str(tmp_path / "pack")
     hf = qu.make_model(folder, "llama", **qu.BLOCK_SHAPES)
-    qu.write_gptq_or_awq(folder, hf, "pack", bits=4, group=32, sym=False, desc_act=True)
+    ic.write_gptq_or_awq(folder, hf, "pack", bits=4, group=32, sym=False, desc_act=True)
     t = load_file(f"{folder}/model.safetensors")
     modules = dict(hf.named_modules())
     parts = [n[:-len(".weight_packed")] for n in t if n.endswith(".weight_packed")]
@@ -125,7 +126,7 @@ def test_flag_naming_the_checkpoint_method(tmp_path):
     from jaxllm.models.errors import CheckpointError
     from jaxllm.models.loader import load_model
     folder = str(tmp_path / "awq")
-    qu.write_gptq_or_awq(folder, qu.make_model(folder, "llama", **qu.BLOCK_SHAPES), "awq",
+    ic.write_gptq_or_awq(folder, qu.make_model(folder, "llama", **qu.BLOCK_SHAPES), "awq",
                          group=128, sym=False)
     auto = load_model(folder, "float32").quant
     assert auto.layout == "awq"
@@ -153,7 +154,7 @@ def test_act_order_differing_across_q_k_v_is_refused(tmp_path, monkeypatch):
     from jaxllm.models.errors import CheckpointError
     from jaxllm.models.loader import load_model
     folder = str(tmp_path / "gptq")
-    qu.write_gptq_or_awq(folder, qu.make_model(folder, "llama", **qu.BLOCK_SHAPES), "gptq",
+    ic.write_gptq_or_awq(folder, qu.make_model(folder, "llama", **qu.BLOCK_SHAPES), "gptq",
                          bits=4, group=32, desc_act=True)
     path = os.path.join(folder, "model.safetensors")
     tensors = load_file(path)

@@ -17,6 +17,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
+import int_checkpoints as ic  # noqa: E402
 import quant_util as qu  # noqa: E402
 from jaxllm import LLM  # noqa: E402
 from tp_util import ENGINE, TP_MODELS, generate_greedy  # noqa: E402
@@ -52,7 +53,7 @@ def run(tmp_path_factory):
                 qu.write_native_fp8(folder, qu.make_model(folder, arch, num_hidden_layers=1,
                                                           **qu.BLOCK_SHAPES))
             elif how == "gptq":
-                qu.write_gptq_or_awq(folder, qu.make_model(folder, arch, num_hidden_layers=1,
+                ic.write_gptq_or_awq(folder, qu.make_model(folder, arch, num_hidden_layers=1,
                                                            **qu.BLOCK_SHAPES),
                                      "gptq", bits=4, group=32, desc_act=True)
             else:
@@ -60,7 +61,7 @@ def run(tmp_path_factory):
                 model = qu.make_model(folder, arch, vocab_size=vocab, **overrides,
                                       **WIDTHS.get(case, {}))
                 if how == "awq":
-                    qu.write_gptq_or_awq(folder, model, "awq", group=32, sym=False)
+                    ic.write_gptq_or_awq(folder, model, "awq", group=32, sym=False)
                 elif how in ("fp8", "int8"):
                     model.save_pretrained(folder)
                     qu.shared().build_tokenizer(folder, vocab)
