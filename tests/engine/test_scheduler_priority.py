@@ -3,7 +3,7 @@ KV cache, no model: vLLM's priority semantics (lower `priority` first, ties by a
 preemption takes the lowest priority, latest arrival first) and fcfs unchanged."""
 
 import pytest
-from test_scheduler import SP, FakeRunner, check_no_leak, make_scheduler, step
+from sched_util import SP, FakeRunner, check_no_leak, make_scheduler, step
 
 from jaxllm.engine.request import Request
 from jaxllm.engine.request_queue import PriorityRequestQueue
