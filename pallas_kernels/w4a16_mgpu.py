@@ -23,12 +23,12 @@ bf16 (vLLM's Marlin kernels also take a bf16 model's scales in bf16) and the pro
 one fma a pair of values, (q - 8) * s + c with c = -(z - 8) * s in bf16 (where a sub
 and a mul took two). The tile is loaded in the layout meant for 4-bit values bound
 for wgmma (WGMMA_UPCAST_4X: 128-bit shared-memory loads) and relaid out while still
-4-bit, before it is widened: compiled for sm_90a the main loop of a 16-row program
-is 493 instructions a step (128 weight values a thread), against 681 with the tile
-widened in the 2X layout and relaid out as bf16 and a sub and a mul a pair
-(`scripts/aot_step.py --quant-matmul mgpu_w4` with MOSAIC_GPU_DUMP_TO, the SASS
-counted); on an H100 a layer's four matmuls at 1 row took 75.0 us against 96.5 for
-the previous form in the same call (82.1 in an earlier one; docs/benchmarks.md).
+4-bit, before it is widened: compiled for sm_90a the main loop of a 16-row gate/up
+program (4 splits) is 493 instructions a step (128 weight values a thread), against
+681 with the tile widened in the 2X layout and relaid out as bf16 and a sub and a mul
+a pair (`scripts/mgpu_sass.py --settings '{"k_splits": 4}'`); on an H100 a layer's
+four matmuls at 1 row took 75.0 us against 96.5 for the previous form in the same call
+(82.1 in an earlier one; docs/benchmarks.md).
 The weight is the MMA's M dimension (x's few rows would not fill it). Each split
 writes f32 partials, [S, N, Mp] (their sum a reduce kernel of its own after each
 projection, compiled for the H200) or with `out_rows` [S, M, N] (the sum fused into
