@@ -1,21 +1,12 @@
 """BlockPool and KVCacheManager: allocation, ref counts, prefix-cache exactness."""
 
-from dataclasses import dataclass
-
 import pytest
+from sched_util import SP
 
 from jaxllm.engine import block_pool
 from jaxllm.engine.block_pool import NULL_BLOCK_ID, BlockPool
 from jaxllm.engine.kv_cache_manager import KVCacheManager
 from jaxllm.engine.request import Request
-
-
-@dataclass
-class SP:
-    max_tokens: int | None = 16
-    n: int = 1
-    ignore_eos: bool = False
-    min_tokens: int = 0
 
 
 def key(tokens, parent=("root", None)):
