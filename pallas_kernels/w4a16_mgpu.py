@@ -287,9 +287,8 @@ def _group(q_smem, x_smem, s_ref, z_ref, acc, a_smem, *, interpret):
         w = plgpu.layout_cast(w, plgpu.Layout.WGMMA)
     w = w.astype(jnp.bfloat16)                                  # q - 8, exact
     # (q - z) * s as one fma a pair: (q - 8) * s + c, c = -(z - 8) * s rounded to bf16
-    # (the group's [TN] row, once a step); ref_w4a16_matmul rounds the same way.
-    s = s.astype(jnp.bfloat16)
-    c = -(z.astype(jnp.bfloat16) - 8) * s
+    # (the group's [TN] bf16 rows, once a step); ref_w4a16_matmul rounds the same way.
+    c = -(z - 8) * s
     sb = lax.broadcast_in_dim(s, w.shape, (0,))
     cb = lax.broadcast_in_dim(c, w.shape, (0,))
     if interpret:
