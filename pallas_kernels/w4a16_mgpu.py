@@ -26,9 +26,8 @@ for wgmma (WGMMA_UPCAST_4X: 128-bit shared-memory loads) and relaid out while st
 4-bit, before it is widened: compiled for sm_90a the main loop of a 16-row gate/up
 program (4 splits) is 493 instructions a step (128 weight values a thread), against
 681 with the tile widened in the 2X layout and relaid out as bf16 and a sub and a mul
-a pair (`scripts/mgpu_sass.py --settings '{"k_splits": 4}'`); on an H100 a layer's
-four matmuls at 1 row took 75.0 us against 96.5 for the previous form in the same call
-(82.1 in an earlier one; docs/benchmarks.md).
+a pair (`scripts/mgpu_sass.py --settings '{"k_splits": 4}'`); an H100 measured the
+fewer instructions at 1 and 16 rows, not at 64 (docs/benchmarks.md).
 The weight is the MMA's M dimension (x's few rows would not fill it). Each split
 writes f32 partials, [S, N, Mp] (their sum a reduce kernel of its own after each
 projection, compiled for the H200) or with `out_rows` [S, M, N] (the sum fused into
