@@ -119,6 +119,27 @@ def default_k_splits(n: int, k: int, tile_n: int, mp: int = MAX_M, stages: int =
     return enough[0] if enough else fits[-1]
 
 
+def default_settings(n: int, k: int, tile_n: int, mp: int) -> tuple[int, int, int]:
+    """(k_splits, stages, groups_per_step) where a call names none. Up to 16 rows,
+    where the programs are many (tiles x splits >= 6 waves of the SMs), fewer and
+    longer splits; and where a split holds at least 8 groups, 2 of them a pipeline
+    stage with 2 stages (the same shared memory as 4 stages of one). On an H100 at
+    1 / 16 rows: gate/up 31.0 / 32.7 us with 4 splits so against 31.4 / 35.7 with 8
+    of one group a stage; down 18.2 / 18.3 against 18.7 / 19.3 (docs/benchmarks.md).
+    Above 16 rows default_k_splits and default_stages, one group a stage."""
+    stages = default_stages(mp)
+    splits = default_k_splits(n, k, tile_n, mp, stages)
+    if mp > 16 or not splits:
+        return splits, stages, 1
+    groups, tiles = k // GROUP, n // tile_n
+    many = [d for d in range(1, splits + 1)
+            if groups % d == 0 and groups // d >= 4 and tiles * d >= 6 * common.num_sms()]
+    splits = many[0] if many else splits
+    if groups // splits >= 8 and groups // splits % 2 == 0:
+        return splits, 2, 2
+    return splits, stages, 1
+
+
 def smem_bytes(tile_n: int, mp: int, stages: int, gps: int = 1) -> int:
     """A program's shared memory: the pipeline's tiles (weight, x and the group's
     scale and zero-point rows a stage) or, in their place once the pipeline is done,
@@ -153,10 +174,11 @@ def supported(n: int, k: int, tile_n: int = 128) -> bool:
 @functools.partial(jax.jit, static_argnames=("out_dtype", "tile_n", "k_splits", "stages",
                                              "out_rows", "groups_per_step", "interpret"))
 def w4a16_matmul(x, q, scales, *, out_dtype=None, tile_n=128, k_splits=None, stages=None,
-                 out_rows=None, groups_per_step=1, interpret=False):
+                 out_rows=None, groups_per_step=None, interpret=False):
     """Same contract as ``ref_w4a16_matmul``; the rest are kernel settings (`out_rows`:
     the partials' layout, OUT_ROWS's by default; `groups_per_step`: groups a pipeline
-    stage copies, one wgmma each). M <= 64."""
+    stage copies, one wgmma each; those left None: default_settings' where none is
+    named). M <= 64."""
     m, k = x.shape
     n = q.shape[0]
     groups = k // GROUP
@@ -169,9 +191,11 @@ def w4a16_matmul(x, q, scales, *, out_dtype=None, tile_n=128, k_splits=None, sta
         raise ValueError(f"M {m} > {MAX_M} or N {n} not a multiple of {tile_n}")
     mp = max(16, common.next_pow2(m))
     out_rows = OUT_ROWS and ROWS if out_rows is None else out_rows
+    if k_splits is None and stages is None and groups_per_step is None:
+        k_splits, stages, groups_per_step = default_settings(n, k, tile_n, mp)
     stages = stages or default_stages(mp)
     # shared memory first: default_k_splits gives 0 for a program over it as well
-    gps = groups_per_step
+    gps = groups_per_step or 1
     if gps not in (1, 2, 4):
         raise ValueError(f"groups_per_step {gps}: 1, 2 or 4")
     if smem_bytes(tile_n, mp, stages, gps) > common.SMEM_BYTES:

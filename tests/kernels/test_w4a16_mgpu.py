@@ -88,6 +88,7 @@ def test_pack_scales_layout():
     (40, 256, 12 * G, dict(k_splits=6)),          # and of 2
     (3, 128, 1024, dict(groups_per_step=2, k_splits=2)),
     (16, 256, 2048, dict(groups_per_step=4, k_splits=2)),
+    (2, 128, 64 * G, {}),     # the defaults: 8 splits of 8 groups, 2 a stage, 2 stages
 ], ids=str)
 def test_kernel_matches_twin_interpret(m, n, k, settings):
     args = _args(m, n, k, seed=m)
@@ -176,6 +177,19 @@ def test_default_splits():
            for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]}
     assert got == {(6144, 4096): [8, 8], (4096, 4096): [8, 8], (28672, 4096): [8, 2],
                    (4096, 14336): [8, 14]}
+    # what a call naming no setting takes (the H100 sweep's lead up to 16 rows):
+    # gate/up 4 splits (896 programs), gate/up and down 2 groups a stage with 2 stages
+    got = {(n, k): [w4.default_settings(n, k, 128, mp) for mp in (16, 64)]
+           for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]}
+    assert got == {(6144, 4096): [(8, 4, 1), (8, 2, 1)], (4096, 4096): [(8, 4, 1), (8, 2, 1)],
+                   (28672, 4096): [(4, 2, 2), (2, 2, 1)],
+                   (4096, 14336): [(8, 2, 2), (14, 2, 1)]}
+    assert w4.default_settings(128, 64 * G, 128, 16) == (8, 2, 2)
+    for mp in (16, 64):     # within shared memory, two programs an SM or more
+        for n, k in got:
+            splits, stages, gps = w4.default_settings(n, k, 128, mp)
+            assert (k // G // splits) % gps == 0
+            assert 2 * (w4.smem_bytes(128, mp, stages, gps) + 1024) <= 228 * 1024
     # a K of 6 groups at 16 rows: 1 split (2 of 3 groups fall under 4 a split)
     assert w4.default_k_splits(4096, 6 * G, 128, 16) == 1
     # the kernel's dynamic shared memory in Mosaic's dumps (jax 0.11.2)
