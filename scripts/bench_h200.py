@@ -114,6 +114,15 @@ PROFILE_SHAPES = {"decode b1 ctx600": (1, 600, 1), "decode b8 ctx100": (8, 100, 
                   "decode b256 ctx1100": (256, 1100, 1), "prefill 4x1024": (4, 0, 1024)}
 
 
+def profile_shapes(names: str) -> dict:
+    """--profile-shapes: the named PROFILE_SHAPES (a bad name refused by argparse)."""
+    chosen = [n.strip() for n in names.split(",")]
+    bad = [n for n in chosen if n not in PROFILE_SHAPES]
+    if bad:
+        raise argparse.ArgumentTypeError(f"{bad[0]!r}: one of {', '.join(PROFILE_SHAPES)}")
+    return {n: PROFILE_SHAPES[n] for n in chosen}
+
+
 def bench_throughput(llm, vocab, args):
     from jaxllm import SamplingParams
     rng = np.random.default_rng(2)
@@ -239,6 +248,9 @@ def main():
     ap.add_argument("--no-async-scheduling", action="store_true")
     ap.add_argument("--profile", action="store_true",
                     help="time and trace bare steps (PROFILE_SHAPES) after the workloads")
+    ap.add_argument("--profile-shapes", type=profile_shapes, default=PROFILE_SHAPES,
+                    metavar="NAMES", help="--profile's shapes, comma-separated, of: "
+                    + ", ".join(PROFILE_SHAPES))
     ap.add_argument("--timeline", action="store_true",
                     help="throughput: time by kind of step (scripts/step_timeline.py)")
     ap.add_argument("--compile-cache", metavar="DIR",
@@ -317,7 +329,7 @@ def main():
         save(results, args)     # after each workload: a run cut short keeps what it did
     if args.profile:
         import step_profile
-        results["profile"] = step_profile.run_all(llm.llm_engine.runner, PROFILE_SHAPES)
+        results["profile"] = step_profile.run_all(llm.llm_engine.runner, args.profile_shapes)
         save(results, args)
     save(results, args)
     print_table(results)

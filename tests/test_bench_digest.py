@@ -1,6 +1,6 @@
 """scripts/bench_h200.py: its digest comparison (where two runs' greedy tokens part, the
-largest logprob difference before that, and a clear error for a result without one)
-and the latency peer it prints."""
+largest logprob difference before that, and a clear error for a result without one),
+the latency peer it prints and --profile-shapes."""
 import json
 import os
 import sys
@@ -43,3 +43,10 @@ def test_latency_peer_only_at_its_batch_size(capsys):
     bench_h200.print_table({**base, "batch_size": 64})
     out = capsys.readouterr().out
     assert "vLLM" not in out and "batch 64: no peer" in out
+
+
+def test_profile_shapes_named_or_refused():
+    got = bench_h200.profile_shapes("decode b1 ctx600, prefill 4x1024")
+    assert got == {k: bench_h200.PROFILE_SHAPES[k] for k in ("decode b1 ctx600", "prefill 4x1024")}
+    with pytest.raises(Exception, match="'decode b2': one of decode b1 ctx600"):
+        bench_h200.profile_shapes("decode b2")
