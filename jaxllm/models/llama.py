@@ -81,7 +81,8 @@ class SplitK:
 
 
 def fuses_add_norm(spec: AttentionSpec, num_tokens: int) -> bool:
-    """Whether a step's float o and down projections end as split-K partials summed by
+    """Whether a step's o and down projections (float, or uint4 through the Mosaic
+    kernel) end as split-K partials summed by
     the fused add + RMSNorm kernel: the switch on, Pallas, one device, decode sizes
     (XLA splits K there; above it runs those GEMMs whole and fuses the adds itself)."""
     return (spec.fused_add_norm and spec.backend == "pallas" and tp_size(spec.mesh) <= 1
@@ -89,9 +90,12 @@ def fuses_add_norm(spec: AttentionSpec, num_tokens: int) -> bool:
 
 
 def _out_proj(w, x, eq: str, tp: int | None, split: bool):
+    """A projection into the residual stream: SplitK partials where `split` and the
+    weight is float or a QuantLinear whose kernel gives them, else its output."""
     if split and not isinstance(w, QuantLinear):
         return _partials(w, x)
-    return _proj(w, x, eq, tp)
+    parts = w.partials(x, tp) if split else None
+    return SplitK(parts) if parts is not None else _proj(w, x, eq, tp)
 
 
 def _ones(shape, dtype, axes):
