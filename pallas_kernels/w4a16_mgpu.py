@@ -172,15 +172,13 @@ def supported(n: int, k: int, tile_n: int = 128) -> bool:
 # compiled on its own (~0.9 s each on the GPU machine, 128 a decode step of an 8B
 # model, so minutes of warm-up), while identical calls through one jit compile once.
 @functools.partial(jax.jit, static_argnames=("out_dtype", "tile_n", "k_splits", "stages",
-                                             "out_rows", "groups_per_step", "keep_splits",
-                                             "interpret"))
+                                             "out_rows", "groups_per_step", "interpret"))
 def w4a16_matmul(x, q, scales, *, out_dtype=None, tile_n=128, k_splits=None, stages=None,
-                 out_rows=None, groups_per_step=None, keep_splits=False, interpret=False):
+                 out_rows=None, groups_per_step=None, interpret=False):
     """Same contract as ``ref_w4a16_matmul``; the rest are kernel settings (`out_rows`:
     the partials' layout, OUT_ROWS's by default; `groups_per_step`: groups a pipeline
     stage copies, one wgmma each; those left None: default_settings' where none is
-    named). M <= 64. keep_splits: the split-K partials f32 [S, M, N] unsummed (for a
-    consumer that sums them itself: pallas_kernels/add_rms_norm.py)."""
+    named). M <= 64."""
     m, k = x.shape
     n = q.shape[0]
     groups = k // GROUP
@@ -216,8 +214,6 @@ def w4a16_matmul(x, q, scales, *, out_dtype=None, tile_n=128, k_splits=None, sta
     out = _call(x.astype(jnp.bfloat16), q, scales.astype(jnp.bfloat16), n=n, m=m, mp=mp,
                 tile_n=tile_n, splits=splits, per=groups // splits, stages=stages,
                 out_rows=out_rows, gps=gps, interpret=interpret)
-    if keep_splits:
-        return out if out_rows else out[:, :, :m].transpose(0, 2, 1)
     y = out.sum(0) if out_rows else out.sum(0)[:, :m].T
     return y.astype(out_dtype or x.dtype)
 

@@ -61,12 +61,6 @@ class AttentionSpec:
         default_factory=lambda: env_switch("JAXLLM_DECODE_SPREAD"))
     decode_kv_write: bool = dataclasses.field(
         default_factory=lambda: env_switch("JAXLLM_DECODE_KV_WRITE", True))
-    # Not attention, but the same static step settings: at decode sizes the float o
-    # and down projections end as split-K partials that one Pallas kernel sums into
-    # the residual stream and normalizes for the next layer (models/llama.py
-    # fuses_add_norm; JAXLLM_FUSED_ADD_NORM=1), two kernels a layer fewer.
-    fused_add_norm: bool = dataclasses.field(
-        default_factory=lambda: env_switch("JAXLLM_FUSED_ADD_NORM"))
 
     @property
     def folds_kv_write(self) -> bool:

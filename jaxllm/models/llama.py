@@ -25,12 +25,6 @@ from jaxllm.parallel.mesh import tp_size
 
 nnx.use_eager_sharding(False)
 
-# Decode sizes: XLA's GEMMs split K up to here (64-row steps too; at 256 it runs them
-# whole and fuses the residual adds into their neighbours).
-FUSED_ADD_NORM_ROWS = 64
-# The norms fused_add_rms_norm reads (their weights stay whole step arguments).
-FUSED_NORMS = ("input_layernorm", "post_attention_layernorm", "norm")
-
 
 def _param(rngs: nnx.Rngs, shape, dtype, axes, scale=0.02):
     value = (jax.random.normal(rngs.params(), shape, jnp.float32) * scale).astype(dtype)
@@ -55,49 +49,6 @@ def _proj(w, x, eq: str, tp: int | None = None):
     return jnp.einsum(eq, x, w[...])
 
 
-def fused_splits(k: int) -> int:
-    """Splits of a projection's K for its explicit split-K partials: the most of 8, 4
-    and 2 leaving at least 256 of K each (the 8B shape's o and down: 8, as XLA's own
-    split-K chooses there), else 1."""
-    return next((s for s in (8, 4, 2) if k % s == 0 and k // s >= 256), 1)
-
-
-def _partials(w, x):
-    """x [T, K...] times a float weight [K..., N] as split-K partials f32 [S, T, N]
-    (pallas_kernels/add_rms_norm.py sums them into the residual add and the next norm)."""
-    t, n = x.shape[0], w.shape[-1]
-    x = x.reshape(t, -1)
-    k = x.shape[1]
-    s = fused_splits(k)
-    return SplitK(jnp.einsum("tsk,skn->stn", x.reshape(t, s, k // s),
-                             w[...].reshape(s, k // s, n),
-                             preferred_element_type=jnp.float32))
-
-
-class SplitK:
-    """A projection's output left as its split-K partials (see RMSNorm.add_norm)."""
-    def __init__(self, parts):
-        self.parts = parts
-
-
-def fuses_add_norm(spec: AttentionSpec, num_tokens: int) -> bool:
-    """Whether a step's o and down projections (float, or uint4 through the Mosaic
-    kernel) end as split-K partials summed by
-    the fused add + RMSNorm kernel: the switch on, Pallas, one device, decode sizes
-    (XLA splits K there; above it runs those GEMMs whole and fuses the adds itself)."""
-    return (spec.fused_add_norm and spec.backend == "pallas" and tp_size(spec.mesh) <= 1
-            and num_tokens <= FUSED_ADD_NORM_ROWS)
-
-
-def _out_proj(w, x, eq: str, tp: int | None, split: bool):
-    """A projection into the residual stream: SplitK partials where `split` and the
-    weight is float or a QuantLinear whose kernel gives them, else its output."""
-    if split and not isinstance(w, QuantLinear):
-        return _partials(w, x)
-    parts = w.partials(x, tp) if split else None
-    return SplitK(parts) if parts is not None else _proj(w, x, eq, tp)
-
-
 def _ones(shape, dtype, axes):
     return nnx.Param(jnp.ones(shape, dtype), out_sharding=axes)
 
@@ -111,18 +62,6 @@ class RMSNorm(nnx.Module):
         xf = x.astype(jnp.float32)
         xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
         return (xf * self.weight[...].astype(jnp.float32)).astype(x.dtype)
-
-    def add_norm(self, x, h, interpret: bool = False):
-        """(y, norm(y)) with y = x + h: h a projection's output [T, E], its SplitK
-        partials (one kernel: pallas_kernels/add_rms_norm.py), or None (y = x)."""
-        if h is None:
-            return x, self(x)
-        if isinstance(h, SplitK):
-            from pallas_kernels.add_rms_norm import fused_add_rms_norm
-            return fused_add_rms_norm(h.parts, x, self.weight[...], eps=self.eps,
-                                      interpret=interpret)
-        y = x + h
-        return y, self(y)
 
 
 class Attention(nnx.Module):
@@ -171,8 +110,7 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v
 
-    def __call__(self, x, positions, k_cache, v_cache, md, spec, split: bool = False):
-        """split: the o projection's output as SplitK partials where its weight is float."""
+    def __call__(self, x, positions, k_cache, v_cache, md, spec):
         cfg, tp = self.cfg, tp_size(spec.mesh)
         q, k, v = self.project_qkv(x, tp)
         inv_freq = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
@@ -188,7 +126,7 @@ class Attention(nnx.Module):
             q = apply_rotary(q, positions, inv_freq)
             k = apply_rotary(k, positions, inv_freq)
             out, k_cache, v_cache = paged_attention(q, k, v, k_cache, v_cache, md, spec)
-        return _out_proj(self.o_proj, out, "tqd,qde->te", tp, split), k_cache, v_cache
+        return _proj(self.o_proj, out, "tqd,qde->te", tp), k_cache, v_cache
 
 
 class MLP(nnx.Module):
@@ -199,10 +137,10 @@ class MLP(nnx.Module):
         self.down_proj = _linear(rngs, dtype, quant, prefix + "down_proj", (f,), (e,),
                                  ("mlp",), ("embed",))
 
-    def __call__(self, x, tp: int | None = None, split: bool = False):
+    def __call__(self, x, tp: int | None = None):
         gu = _proj(self.gate_up_proj, x, "te,esf->tsf", tp)
         h = jax.nn.silu(gu[:, 0]) * gu[:, 1]
-        return _out_proj(self.down_proj, h, "tf,fe->te", tp, split)
+        return _proj(self.down_proj, h, "tf,fe->te", tp)
 
 
 class DecoderLayer(nnx.Module):
@@ -212,18 +150,14 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, dtype, rngs, quant, prefix + "mlp.")
 
-    def __call__(self, x, xn, positions, k_cache, v_cache, md, spec):
-        """x the residual stream entering the layer, xn its input_layernorm. Returns
-        (x after attention, the MLP's output to add to it, k_cache, v_cache): the add
-        joins the next norm (RMSNorm.add_norm), SplitK partials where it fuses."""
-        split = fuses_add_norm(spec, x.shape[0])
+    def __call__(self, x, positions, k_cache, v_cache, md, spec):
         with jax.named_scope("attn"):
-            h, k_cache, v_cache = self.self_attn(xn, positions, k_cache, v_cache, md, spec,
-                                                 split)
-        x, xn = self.post_attention_layernorm.add_norm(x, h, spec.interpret)
+            h, k_cache, v_cache = self.self_attn(
+                self.input_layernorm(x), positions, k_cache, v_cache, md, spec)
+        x = x + h
         with jax.named_scope("mlp"):
-            h = self.mlp(xn, tp_size(spec.mesh), split)
-        return x, h, k_cache, v_cache
+            x = x + self.mlp(self.post_attention_layernorm(x), tp_size(spec.mesh))
+        return x, k_cache, v_cache
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -247,20 +181,18 @@ class LlamaForCausalLM(nnx.Module):
         target layers) also [T, len(aux_layers) * E]: the residual stream entering
         each of those layers, concatenated in their order (vLLM's aux hidden states)."""
         x = jnp.take(self.embed_tokens[...], input_ids, axis=0)
-        new_caches, aux, h = [], {}, None
+        new_caches, aux = [], {}
         # Layers unrolled in Python: each has its own weight arrays, so XLA never
         # slices a stacked weight per step (measured faster than lax.scan on GPU).
         for i, layer in enumerate(self.layers):
+            if i in aux_layers:
+                aux[i] = x
             with jax.named_scope(f"layer{i}"):
-                x, xn = layer.input_layernorm.add_norm(x, h, spec.interpret)
-                if i in aux_layers:
-                    aux[i] = x
-                x, h, k_cache, v_cache = layer(x, xn, positions, *kv_caches[i], md, spec)
+                x, k_cache, v_cache = layer(x, positions, *kv_caches[i], md, spec)
             new_caches.append((k_cache, v_cache))
-        _, out = self.norm.add_norm(x, h, spec.interpret)
         if not aux_layers:
-            return out, new_caches
-        return out, new_caches, jnp.concatenate([aux[i] for i in aux_layers], -1)
+            return self.norm(x), new_caches
+        return self.norm(x), new_caches, jnp.concatenate([aux[i] for i in aux_layers], -1)
 
     def compute_logits(self, hidden):
         """hidden: [S, E] -> float32 logits [S, V]."""

@@ -25,7 +25,6 @@ import numpy as np
 from jaxllm.config import EngineConfig
 from jaxllm.engine.scheduler import KVCacheLostError
 from jaxllm.layers.attention import AttentionSpec
-from jaxllm.models import llama
 from jaxllm.models.loader import LoadedModel
 from jaxllm.parallel import distributed, mesh as mesh_lib
 from jaxllm.runner import (executable_store, input_batch, kv_cache, packed_leaves,
@@ -76,8 +75,7 @@ class ModelRunner:
         self._stager = InputStager()
         self._prev_rows: dict[str, int] = {}   # request id -> its row in _token_buf
         self._row_entries: dict[str, sampling_rows.RowEntry] = {}   # by request id
-        self.params, self.param_layout = packed_leaves.flatten(self.state, keep_whole=(
-            llama.FUSED_NORMS if self.spec.fused_add_norm and mesh.size == 1 else ()))
+        self.params, self.param_layout = packed_leaves.flatten(self.state)
         self._step_jit = StepJits(functools.partial(
             _forward, self.graphdef, self.param_layout, self.spec, hidden_layers), self.params,
             self.out_shardings())

@@ -34,19 +34,16 @@ def enabled() -> bool:
     return env_switch("JAXLLM_PACK_SMALL_LEAVES", default=True)
 
 
-def flatten(state, pack: bool | None = None, keep_whole: tuple[str, ...] = ()):
+def flatten(state, pack: bool | None = None):
     """(args, layout): `args` the step's parameter argument, `layout.unflatten(args)`
-    the state again (inside the step). Unpacked: jax.tree.flatten(state) itself.
-    keep_whole: norms passed whole all the same (a Pallas kernel reads their weight:
-    a slice of the buffer as its operand is a copy kernel of XLA's each)."""
+    the state again (inside the step). Unpacked: jax.tree.flatten(state) itself."""
     if not (enabled() if pack is None else pack):
         return jax.tree.flatten(state)
     with_path, treedef = jax.tree_util.tree_flatten_with_path(state)
     leaves = [x for _, x in with_path]
     names = [tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path[:-1])
              for path, _ in with_path]      # the path's last key is the Variable's value
-    chosen = [_packable(n, x) and str(n[-2]) not in keep_whole
-              for n, x in zip(names, leaves)]
+    chosen = [_packable(n, x) for n, x in zip(names, leaves)]
     layout = PackedLayout(treedef, leaves, chosen)
     return layout.pack(leaves), layout
 

@@ -229,19 +229,3 @@ def test_settings_lower_for_cuda(settings):
             SD((64, 28672), jnp.bfloat16))
     text = lower_for_cuda(functools.partial(w4.w4a16_matmul, **settings), *args)
     assert "mosaic_gpu" in text
-
-
-@pytest.mark.parametrize("m,settings", [(3, dict(k_splits=4)), (16, {})], ids=str)
-def test_keep_splits_gives_the_partials(m, settings):
-    """keep_splits: f32 [S, M, N] whose sum over S, cast as the kernel casts its sum, is
-    the kernel's output; each split a sum over its own groups only."""
-    args = _args(m, 128, 16 * G, seed=7)
-    parts = w4.w4a16_matmul(*args, keep_splits=True, interpret=True, **settings)
-    y = w4.w4a16_matmul(*args, interpret=True, **settings)
-    assert parts.dtype == jnp.float32 and parts.shape == (4, m, 128)
-    np.testing.assert_array_equal(np.asarray(parts.sum(0).astype(y.dtype), np.float32),
-                                  np.asarray(y, np.float32))
-    x, q, sz = args
-    first = w4.ref_w4a16_matmul(x[:, :4 * G], q[:, :4 * G], sz[:8], out_dtype=jnp.float32)
-    np.testing.assert_allclose(np.asarray(parts[0]), np.asarray(first), rtol=0,
-                               atol=1e-4 * float(jnp.max(jnp.abs(first))))

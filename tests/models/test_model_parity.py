@@ -110,34 +110,6 @@ def test_decode_step_options_keep_greedy_parity(tiny_model, monkeypatch):
     _assert_greedy_matches_hf(llm, hf, "llama")
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_fused_add_norm_keeps_greedy_parity(tiny_model, monkeypatch, arch):
-    """JAXLLM_FUSED_ADD_NORM=1 (Pallas, interpret mode): every step of up to 64 tokens
-    (all of these: budget 64) ends its o and down projections as split-K partials that
-    fused_add_rms_norm sums and normalizes; the same greedy tokens as HF, the kernel
-    called at every residual add and the final norm, and the norm weights it reads
-    passed whole (not in the packed buffer)."""
-    from jaxllm import LLM
-    from pallas_kernels import add_rms_norm
-    monkeypatch.setenv("JAXLLM_FUSED_ADD_NORM", "1")
-    calls = []
-    real = add_rms_norm.fused_add_rms_norm
-    monkeypatch.setattr(add_rms_norm, "fused_add_rms_norm",
-                        lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
-    folder, hf = tiny_model(arch)
-    llm = LLM(folder, dtype="float32", max_model_len=128, max_num_seqs=4,
-              max_num_batched_tokens=64, enforce_eager=True, cpu_kv_cache_bytes=8 << 20,
-              attention_backend="pallas")
-    runner = llm.llm_engine.runner
-    assert runner.spec.fused_add_norm
-    packed = [p[3] for p in runner.param_layout.places if p[0] == "packed"]
-    assert (hf.config.hidden_size,) not in packed       # qwen3's q/k norms stay packed
-    _assert_greedy_matches_hf(llm, hf, arch)
-    layers = hf.config.num_hidden_layers
-    assert calls and len(calls) % (2 * layers) == 0, calls   # 2 a layer, less the first
-    assert all(c[0] >= 1 for c in calls)                     # [S, T, E] partials
-
-
 def test_speculation_with_the_kv_write_default_keeps_greedy_parity(tiny_model, monkeypatch):
     """The decode kernel's KV write on (the default) under ngram speculation, Pallas in
     interpret mode: the same greedy tokens as HF. Verify steps (k + 1 one-token rows of

@@ -78,25 +78,3 @@ def test_layer_through_mosaic_matches_xla_dequant(monkeypatch, in_shape, out_sha
     assert got.shape == want.shape == (6,) + out_shape
     err = np.abs(np.asarray(got, np.float32) - np.asarray(want, np.float32)).max()
     assert err < 6e-3 * np.abs(np.asarray(want, np.float32)).max()
-
-
-def test_partials_sum_to_the_layer_output(monkeypatch):
-    """int4_partials (the fused add + RMSNorm's input): f32 [S, T, N] whose sum, cast to
-    x's dtype, is int4_kernel_matmul's output on the same packed scales; None where the
-    Mosaic kernel would not run the layer."""
-    monkeypatch.setattr(int4_kernels, "is_hopper", lambda: True)
-    monkeypatch.setenv("JAXLLM_INT4_MOSAIC", "1")
-    rng = np.random.default_rng(6)
-    in_shape, out_shape = (4, 128), (128,)          # an o_proj: K = 4 heads x 128
-    packed = jnp.asarray(rng.integers(0, 256, out_shape + (4, 64)), jnp.uint8)
-    scale = jnp.asarray(rng.uniform(0.005, 0.02, out_shape + (4,)), jnp.float32)
-    zero = jnp.asarray(rng.integers(0, 16, out_shape + (4,)), jnp.float32)
-    sz = jnp.asarray(int4_kernels.pack(np.asarray(scale), np.asarray(zero)))
-    x = jnp.asarray(rng.standard_normal((5,) + in_shape), jnp.bfloat16)
-    parts = int4_kernels.int4_partials(x, packed, sz, G128, 2, interpret=True)
-    y = int4_kernels.int4_kernel_matmul(x, packed, sz, None, G128, 2, interpret=True)
-    assert parts.dtype == jnp.float32 and parts.shape[1:] == (5, 128)
-    np.testing.assert_array_equal(np.asarray(parts.sum(0).astype(x.dtype), np.float32),
-                                  np.asarray(y, np.float32))
-    monkeypatch.setenv("JAXLLM_INT4_MOSAIC", "0")
-    assert int4_kernels.int4_partials(x, packed, sz, G128, 2, interpret=True) is None

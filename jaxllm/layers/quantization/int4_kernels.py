@@ -103,17 +103,3 @@ def int4_kernel_matmul(x, wq, scale, zero, scheme: LinearScheme, nk: int,
         y = quant_matmul_int4(xf, wq, scale, zero,
                               group=scheme.group, out_dtype=x.dtype, interpret=interpret)
     return y.reshape(t, *out)
-
-
-def int4_partials(x, wq, packed, scheme: LinearScheme, nk: int, interpret: bool = False):
-    """The Mosaic kernel's split-K partials of x [T, K...] times a packed-scale uint4
-    projection: f32 [S, T, N] (N the projection's outputs flattened), or None where the
-    Mosaic kernel would not run it."""
-    t = x.shape[0]
-    xf = x.reshape(t, -1)
-    n = math.prod(wq.shape[:wq.ndim - nk])
-    if not use_mosaic_int4(scheme, n, xf.shape[1], x.dtype):
-        return None
-    from pallas_kernels.w4a16_mgpu import as_int4, w4a16_matmul     # lazily
-    return w4a16_matmul(xf, as_int4(wq.reshape(n, -1)), packed, keep_splits=True,
-                        interpret=interpret)

@@ -337,16 +337,6 @@ class QuantLinear(nnx.Module):
         if scheme.act is not None and not scheme.act.symmetric:
             self.azp_adj = nnx.Param(jnp.zeros(out_shape, jnp.float32), out_sharding=out_axes)
 
-    def partials(self, x, tp: int | None = None):
-        """x's split-K partials f32 [S, T, N] where the Mosaic uint4 kernel runs this
-        layer on packed scales (the caller sums them), else None."""
-        s = self.scheme
-        if hasattr(self, "weight_zero_point") or s.group is None or \
-                not use_int4_kernel(s, x.shape[0], tp):
-            return None
-        return int4_kernels.int4_partials(x, self.weight[...], self.weight_scale[...], s,
-                                          self.nk)
-
     def __call__(self, x, tp: int | None = None):
         """tp: the model's tensor-parallel size, where the caller knows it (the 4-bit
         kernel runs on unsharded weights only)."""
