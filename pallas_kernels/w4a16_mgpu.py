@@ -125,8 +125,8 @@ def default_settings(n: int, k: int, tile_n: int, mp: int) -> tuple[int, int, in
     longer splits; and where a split holds at least 8 groups, 2 of them a pipeline
     stage with 2 stages (the same shared memory as 4 stages of one). On an H100 at
     1 / 16 rows: gate/up 31.0 / 32.7 us with 4 splits so against 31.4 / 35.7 with 8
-    of one group a stage; down 18.2 / 18.3 against 18.7 / 19.3 (docs/benchmarks.md).
-    Above 16 rows default_k_splits and default_stages, one group a stage."""
+    of one group a stage; down 18.2 / 18.3 against 18.7 / 19.3; the 8B AWQ engine's
+    `latency` 0.963x (docs/benchmarks.md). Above 16 rows default_k_splits and default_stages, one group a stage."""
     stages = default_stages(mp)
     splits = default_k_splits(n, k, tile_n, mp, stages)
     if mp > 16 or not splits:
@@ -195,7 +195,7 @@ def w4a16_matmul(x, q, scales, *, out_dtype=None, tile_n=128, k_splits=None, sta
         k_splits, stages, groups_per_step = default_settings(n, k, tile_n, mp)
     stages = stages or default_stages(mp)
     # shared memory first: default_k_splits gives 0 for a program over it as well
-    gps = groups_per_step or 1
+    gps = 1 if groups_per_step is None else groups_per_step
     if gps not in (1, 2, 4):
         raise ValueError(f"groups_per_step {gps}: 1, 2 or 4")
     if smem_bytes(tile_n, mp, stages, gps) > common.SMEM_BYTES:

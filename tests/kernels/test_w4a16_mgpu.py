@@ -146,6 +146,8 @@ def test_bad_operands_are_refused():
         w4.w4a16_matmul(_x(65, 512), q, sz)
     with pytest.raises(ValueError, match="k_splits 3: must divide K's 4 groups"):
         w4.w4a16_matmul(_x(4, 512), q, sz, k_splits=3)
+    with pytest.raises(ValueError, match="groups_per_step 0: 1, 2 or 4"):
+        w4.w4a16_matmul(_x(4, 512), q, sz, k_splits=1, groups_per_step=0)
     with pytest.raises(ValueError, match="groups_per_step 3: 1, 2 or 4"):
         w4.w4a16_matmul(_x(4, 512), q, sz, k_splits=1, groups_per_step=3)
     with pytest.raises(ValueError, match="splits of a multiple of 4 groups"):
