@@ -126,14 +126,16 @@ def default_settings(n: int, k: int, tile_n: int, mp: int) -> tuple[int, int, in
     stage with 2 stages (the same shared memory as 4 stages of one). On an H100 at
     1 / 16 rows: gate/up 31.0 / 32.7 us with 4 splits so against 31.4 / 35.7 with 8
     of one group a stage; down 18.2 / 18.3 against 18.7 / 19.3; the 8B AWQ engine's
-    `latency` 0.963x (docs/benchmarks.md). Above 16 rows default_k_splits and default_stages, one group a stage."""
+    `latency` 0.963x (docs/benchmarks.md). Above 16 rows default_k_splits and
+    default_stages, one group a stage."""
     stages = default_stages(mp)
     splits = default_k_splits(n, k, tile_n, mp, stages)
     if mp > 16 or not splits:
         return splits, stages, 1
     groups, tiles = k // GROUP, n // tile_n
+    # d <= default_k_splits' choice leaves each split its 4 groups or more already
     many = [d for d in range(1, splits + 1)
-            if groups % d == 0 and groups // d >= 4 and tiles * d >= 6 * common.num_sms()]
+            if groups % d == 0 and tiles * d >= 6 * common.num_sms()]
     splits = many[0] if many else splits
     if groups // splits >= 8 and groups // splits % 2 == 0:
         return splits, 2, 2

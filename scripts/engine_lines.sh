@@ -39,7 +39,8 @@ run() {  # tag limit_s bench_h200 args...
 for r in ${RUNS:-bf16 fp8 awq int8}; do
   case $r in
     bf16) run bf16 170 --workloads latency,decode-1,throughput --repeat 10 "$@" ;;
-    fp8)  run fp8 170 --workloads latency,decode-1,throughput --repeat 10 --quantization fp8 "$@" ;;
+    fp8)  run fp8 170 --workloads latency,decode-1,throughput --repeat 10 \
+            --quantization fp8 "$@" ;;
     awq)  run awq 130 --workloads latency,decode-1 --repeat 5 --quantization awq "$@" ;;
     int8) run int8 170 --workloads latency,decode-1,throughput --repeat 3 --quantization int8 "$@" ;;
     *) echo "RUNS: $r is not one of bf16 fp8 awq int8"; exit 2 ;;
