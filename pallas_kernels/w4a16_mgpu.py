@@ -9,30 +9,21 @@ output channels per program, S k-splits, P = K / G / S groups per split.
 
 The weight is the checkpoint's layout as jaxllm stores it (no copy at load): uint4
 two a byte, the even column in the low nibble, reread as int4 [N, K] by a bitcast
-(``as_int4``: int4's first element is a byte's low nibble), so a value q reads as
-q - 16 where q >= 8 and the kernel flips each nibble's top bit. The group scales and
-zero points come packed (``pack_scales``: one bf16 [2 K/G, N], what the engine stores
-on Hopper): each pipeline step copies its group's [2, TN] rows beside its weight tile
-(where the checkpoint's f32 [N, K/G] made each program copy its [TN, P] slab and
-transpose it before its pipeline: a layer's four matmuls took 1.04-1.08x the time on
-an H100, docs/benchmarks.md).
+(``as_int4``), so a value q reads as q - 16 where q >= 8 and the kernel flips each
+nibble's top bit. The group scales and zero points come packed (``pack_scales``: one
+bf16 [2 K/G, N]); each pipeline step copies its group's [2, TN] rows beside its
+weight tile.
 
-Grid (N / TN, S). A program owns TN channels and 1/S of K and computes
-acc[TN, Mp] += W[TN, G] @ x^T[G, Mp] per step, with W = (q - z) * s, the scale in
-bf16 (vLLM's Marlin kernels also take a bf16 model's scales in bf16) and the product
-one fma a pair of values, (q - 8) * s + c with c = -(z - 8) * s in bf16 (where a sub
-and a mul took two). The tile is loaded in the layout meant for 4-bit values bound
-for wgmma (WGMMA_UPCAST_4X: 128-bit shared-memory loads) and relaid out while still
-4-bit, before it is widened: compiled for sm_90a the main loop of a 16-row gate/up
-program (4 splits) is 493 instructions a step (128 weight values a thread), against
-681 with the tile widened in the 2X layout and relaid out as bf16 and a sub and a mul
-a pair (`scripts/mgpu_sass.py --settings '{"k_splits": 4}'`); an H100 measured the
-fewer instructions at 1 and 16 rows, not at 64 (docs/benchmarks.md).
+Grid (N / TN / T, S). A program owns T consecutive tiles of TN channels (``tiles``)
+and 1/S of K, and computes acc[TN, Mp] += W[TN, G] @ x^T[G, Mp] per step, with W =
+(q - z) * s, the scale in bf16 (as vLLM's Marlin kernels take a bf16 model's) and the
+product one fma a pair of values, (q - 8) * s + c with c = -(z - 8) * s in bf16. The
+tile is loaded in the layout meant for 4-bit values bound for wgmma
+(WGMMA_UPCAST_4X: 128-bit shared-memory loads) and relaid out while still 4-bit,
+before it is widened (the main loop's SASS and its H100 times: docs/benchmarks.md).
 The weight is the MMA's M dimension (x's few rows would not fill it). Each split
-writes f32 partials, [S, N, Mp] (their sum a reduce kernel of its own after each
-projection, compiled for the H200) or with `out_rows` [S, M, N] (the sum fused into
-the consumer, as the Triton kernel's; only x's M rows written, where a decode step
-of one token has 1 of 16), and XLA sums them. x stays [M, K]: its tiles are [Mp, G]
+writes f32 partials, [S, N, Mp] or with `out_rows` [S, M, N] (only x's M rows; their
+sum fused into the consumer), which XLA sums. x stays [M, K]: its tiles are [Mp, G]
 TMA copies, which fill the rows past M with zeros.
 """
 from __future__ import annotations
@@ -100,13 +91,11 @@ def unpack_scales(packed):
 
 
 def default_k_splits(n: int, k: int, tile_n: int, mp: int = MAX_M, stages: int = 4) -> int:
-    """Splits of K, among those leaving each at least 4 groups (on an H100 o's 32
-    splits of one group took 11.9 us at 16 rows against 10.5 with 8 of 4). Up to 16
-    rows the most of them up to 8: on an H100 with the packed scales, gate/up took
-    31.4 us at 1 row with 8 splits against 34.1 with 4, down 18.6 against 19.3 with 28
-    (docs/benchmarks.md). Above, the fewest whose programs cover the SMs twice (more
-    splits there write f32 partials that approach the weight's own bytes), else the
-    most. 0 if none or a program at ``mp`` rows is over shared memory."""
+    """Splits of K, among those leaving each at least 4 groups; up to 16 rows the most
+    of them up to 8, above the fewest whose programs cover the SMs twice (more write
+    f32 partials that approach the weight's own bytes), else the most (the H100 sweeps
+    in docs/benchmarks.md). 0 if none or a program at ``mp`` rows is over shared
+    memory."""
     groups, tiles = k // GROUP, n // tile_n
     if smem_bytes(tile_n, mp, stages) > common.SMEM_BYTES:
         return 0
@@ -142,22 +131,23 @@ def default_settings(n: int, k: int, tile_n: int, mp: int) -> tuple[int, int, in
     return splits, stages, 1
 
 
-def smem_bytes(tile_n: int, mp: int, stages: int, gps: int = 1) -> int:
+def smem_bytes(tile_n: int, mp: int, stages: int, gps: int = 1, tiles: int = 1) -> int:
     """A program's shared memory: the pipeline's tiles (weight, x and the group's
-    scale and zero-point rows a stage) or, in their place once the pipeline is done,
-    the output tile, and an 8-byte barrier a stage: the kernel's dynamic shared memory
-    as Mosaic sizes it (its dumps, jax 0.11.2: 51,232 bytes at 16 rows with 4 stages,
-    50,192 at 64 rows with 2). ``gps``: groups a stage."""
+    scale and zero-point rows a stage) and the output tile, in their place once the
+    pipeline is done (beside them with ``tiles`` > 1, written within it), and an
+    8-byte barrier a stage: the kernel's dynamic shared memory as Mosaic sizes it (its
+    dumps, jax 0.11.2: 51,232 bytes at 16 rows with 4 stages, 50,192 at 64 rows with
+    2). ``gps``: groups a stage."""
     stage = gps * (tile_n * GROUP // 2 + mp * GROUP * 2 + 2 * tile_n * 2)
-    return max(stages * stage, tile_n * mp * 4) + 8 * stages
+    out = tile_n * mp * 4
+    pipe = stages * stage + out if tiles > 1 else max(stages * stage, out)
+    return pipe + 8 * stages
 
 
 def default_stages(mp: int) -> int:
-    """Pipeline depth: 4 up to 16 rows; 2 above, where x's tiles grow. Measured on an
-    H100 with f32 scale slabs in each program's shared memory (not packed scales):
-    there 4 stages left room for one gate/up program an SM, 2 stages for two, and 2
-    took 0.81x the time of a layer's four matmuls at 64 rows, 0.90x at 32. With packed
-    scales 4 stages leave room for two programs an SM, 2 for four."""
+    """Pipeline depth: 4 up to 16 rows; 2 above, where x's tiles grow (on an H100 a
+    layer's four matmuls took 0.81x the time at 64 rows with 2, 0.90x at 32, when
+    4 left room for one gate/up program an SM)."""
     return 4 if mp <= 16 else 2
 
 
@@ -174,13 +164,15 @@ def supported(n: int, k: int, tile_n: int = 128) -> bool:
 # compiled on its own (~0.9 s each on the GPU machine, 128 a decode step of an 8B
 # model, so minutes of warm-up), while identical calls through one jit compile once.
 @functools.partial(jax.jit, static_argnames=("out_dtype", "tile_n", "k_splits", "stages",
-                                             "out_rows", "groups_per_step", "interpret"))
+                                             "out_rows", "groups_per_step", "tiles",
+                                             "interpret"))
 def w4a16_matmul(x, q, scales, *, out_dtype=None, tile_n=128, k_splits=None, stages=None,
-                 out_rows=None, groups_per_step=None, interpret=False):
+                 out_rows=None, groups_per_step=None, tiles=None, interpret=False):
     """Same contract as ``ref_w4a16_matmul``; the rest are kernel settings (`out_rows`:
     the partials' layout, OUT_ROWS's by default; `groups_per_step`: groups a pipeline
-    stage copies, one wgmma each; those left None: default_settings' where none is
-    named). M <= 64."""
+    stage copies, one wgmma each; `tiles`: consecutive tiles of N a program streams
+    through one pipeline; those left None: default_settings' where none is named).
+    M <= 64."""
     m, k = x.shape
     n = q.shape[0]
     groups = k // GROUP
@@ -192,15 +184,18 @@ def w4a16_matmul(x, q, scales, *, out_dtype=None, tile_n=128, k_splits=None, sta
     if m > MAX_M or n % tile_n:
         raise ValueError(f"M {m} > {MAX_M} or N {n} not a multiple of {tile_n}")
     mp = max(16, common.next_pow2(m))
+    if k_splits is None and stages is None and groups_per_step is None and tiles is None:
+        (k_splits, stages, groups_per_step), tiles = default_settings(n, k, tile_n, mp), 1
+    tiles = 1 if tiles is None else tiles
+    if tiles < 1 or n // tile_n % tiles:
+        raise ValueError(f"tiles {tiles}: must divide N's {n // tile_n} tiles of {tile_n}")
     out_rows = OUT_ROWS and ROWS if out_rows is None else out_rows
-    if k_splits is None and stages is None and groups_per_step is None:
-        k_splits, stages, groups_per_step = default_settings(n, k, tile_n, mp)
     stages = stages or default_stages(mp)
     # shared memory first: default_k_splits gives 0 for a program over it as well
     gps = 1 if groups_per_step is None else groups_per_step
     if gps not in (1, 2, 4):
         raise ValueError(f"groups_per_step {gps}: 1, 2 or 4")
-    if smem_bytes(tile_n, mp, stages, gps) > common.SMEM_BYTES:
+    if smem_bytes(tile_n, mp, stages, gps, tiles) > common.SMEM_BYTES:
         raise ValueError(f"tile_n {tile_n}, {stages} stages at {mp} rows: over the shared "
                          "memory of a program")
     splits = k_splits or default_k_splits(n, k, tile_n, mp, stages)
@@ -215,7 +210,7 @@ def w4a16_matmul(x, q, scales, *, out_dtype=None, tile_n=128, k_splits=None, sta
     # interpreter with NaNs, so its runs also show that no row leaks into another.
     out = _call(x.astype(jnp.bfloat16), q, scales.astype(jnp.bfloat16), n=n, m=m, mp=mp,
                 tile_n=tile_n, splits=splits, per=groups // splits, stages=stages,
-                out_rows=out_rows, gps=gps, interpret=interpret)
+                out_rows=out_rows, gps=gps, tiles=tiles, interpret=interpret)
     y = out.sum(0) if out_rows else out.sum(0)[:, :m].T
     return y.astype(out_dtype or x.dtype)
 
@@ -226,75 +221,128 @@ def _transforms(minor_bits: int, elem_bits: int, what: str):
             plgpu.SwizzleTransform(swizzle))
 
 
-def _call(x, q, scales, *, n, m, mp, tile_n, splits, per, stages, out_rows, gps, interpret):
+def _call(x, q, scales, *, n, m, mp, tile_n, splits, per, stages, out_rows, gps, tiles,
+          interpret):
     q_tr = _transforms(GROUP * 4, 4, "weight")
     x_tr = _transforms(GROUP * 16, 16, "x")
     # Interpret mode's wgmma reads A from shared memory only and takes no transposed
     # refs, and its loads take no layouts: there the widened tile and x^T are stored
     # first (the GPU keeps the tile in registers and reads x's tile transposed).
     a_tr = _transforms(GROUP * 16, 16, "widened weight")
+    steps = per // gps                                  # pipeline steps a tile
 
     def kernel(q_gmem, x_gmem, sz_gmem, out_gmem, *a_smem):
         ni, si = lax.axis_index("n"), lax.axis_index("s")
-        chans = pl.ds(ni * tile_n, tile_n)                               # of N
+        first = si * steps                              # in stages of gps groups
 
-        def step(idx, q_smem, x_smem, sz_smem, acc):
+        def groups(q_smem, x_smem, sz_smem, mma):
             for h in range(gps):
                 # a group's [2, TN] rows: its scales, then its zero points
                 cols = pl.ds(h * GROUP, GROUP)
-                _group(q_smem.at[:, cols], x_smem.at[:, cols], sz_smem.at[2 * h],
-                       sz_smem.at[2 * h + 1], acc, a_smem, interpret=interpret)
-            return acc
+                w, xt = _widen(q_smem.at[:, cols], x_smem.at[:, cols], sz_smem.at[2 * h],
+                               sz_smem.at[2 * h + 1], a_smem, interpret=interpret)
+                mma(w, xt)
 
-        def epilogue(acc, tile):
+        def write(acc, tile, t):
+            """acc (a value) -> the shared-memory tile -> the partials of tile t."""
             if not out_rows:
-                tile[...] = acc[...]
+                tile[...] = acc
             elif interpret:
-                tile[...] = acc[...].T
+                tile[...] = acc.T
             else:
-                v = plgpu.layout_cast(acc[...], plgpu.Layout.WGMMA_TRANSPOSED)
+                v = plgpu.layout_cast(acc, plgpu.Layout.WGMMA_TRANSPOSED)
                 plgpu.transpose_ref(tile.at[:, :], (1, 0))[...] = v
             plgpu.commit_smem()
+            chans = pl.ds((ni * tiles + t) * tile_n, tile_n)
             # [S, M, N]: of the tile's Mp rows only x's M leave (TMA copies any box)
             plgpu.copy_smem_to_gmem(tile.at[pl.ds(0, m)] if out_rows else tile,
                                     out_gmem.at[si, :, chans] if out_rows
                                     else out_gmem.at[si, chans])
+
+        # pipeline step (t, j): the program's tile t, stage j of its split
+        specs = [
+            plgpu.BlockSpec((tile_n, gps * GROUP), lambda t, j: (ni * tiles + t, first + j),
+                            transforms=q_tr),
+            plgpu.BlockSpec((mp, gps * GROUP), lambda t, j: (0, first + j), transforms=x_tr),
+            plgpu.BlockSpec((2 * gps, tile_n), lambda t, j: (first + j, ni * tiles + t)),
+        ]
+        tile_shape = (mp, tile_n) if out_rows else (tile_n, mp)
+
+        def one_tile(acc):
+            def step(idx, q_smem, x_smem, sz_smem, acc):
+                def mma(w, xt):
+                    # Waited for here: leaving it running while the next step widens
+                    # its tile (wait(1), x's stage released a step later) gave wrong
+                    # sums on an H100 (errors up to 1e7).
+                    plgpu.wgmma(acc, w, xt)
+                    plgpu.wgmma_wait(0)
+                groups(q_smem, x_smem, sz_smem, mma)
+                return acc
+
+            plgpu.emit_pipeline(step, grid=(1, steps), max_concurrent_steps=stages,
+                                init_carry=acc, in_specs=specs)(q_gmem, x_gmem, sz_gmem)
+
+            # The partials leave through a shared-memory tile allocated after the
+            # pipeline's buffers are freed (so in their place); with out_rows stored
+            # transposed, from registers relaid out as WGMMA_TRANSPOSED.
+            def epilogue(tile):
+                write(acc[...], tile, 0)
+                plgpu.wait_smem_to_gmem(0)
+            pl.run_scoped(epilogue, plgpu.SMEM(tile_shape, jnp.float32))
+
+        def many_tiles(tile):
+            # One pipeline through a program's tiles, so the next tile's copies are in
+            # flight while this one's last groups multiply (a program a tile fills its
+            # pipeline anew and, one round of programs after another, pays for it:
+            # ~3.3 us a round on an H100, docs/benchmarks.md). The accumulator is a
+            # value, written out and zeroed at a tile's last step.
+            def step(idx, q_smem, x_smem, sz_smem, acc):
+                t, j = idx
+                box = [acc]
+
+                def mma(w, xt):
+                    if interpret:      # its interpreter runs no run_state
+                        box[0] = box[0] + jnp.dot(w[...], xt[...],
+                                                  preferred_element_type=jnp.float32)
+                        return
+                    box[0] = pl.run_state(lambda r: plgpu.wgmma(r, w, xt))(
+                        plgpu.ACC.init(box[0]))
+                groups(q_smem, x_smem, sz_smem, mma)
+                acc = box[0]
+                last = j == steps - 1
+
+                @pl.when(last)
+                def _():
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    write(acc, tile, t)
+                return acc * jnp.where(last, 0.0, 1.0).astype(jnp.float32)
+
+            zero = jnp.zeros((tile_n, mp), jnp.float32)
+            if not interpret:
+                zero = plgpu.layout_cast(zero, plgpu.Layout.WGMMA)
+            plgpu.emit_pipeline(step, grid=(tiles, steps), max_concurrent_steps=stages,
+                                init_carry=zero, in_specs=specs)(q_gmem, x_gmem, sz_gmem)
             plgpu.wait_smem_to_gmem(0)
 
-        def run(acc):
-            first = si * (per // gps)                       # in stages of gps groups
-            plgpu.emit_pipeline(
-                step, grid=(per // gps,), max_concurrent_steps=stages, init_carry=acc,
-                in_specs=[
-                    plgpu.BlockSpec((tile_n, gps * GROUP), lambda j: (ni, first + j),
-                                    transforms=q_tr),
-                    plgpu.BlockSpec((mp, gps * GROUP), lambda j: (0, first + j),
-                                    transforms=x_tr),
-                    plgpu.BlockSpec((2 * gps, tile_n), lambda j: (first + j, ni)),
-                ])(q_gmem, x_gmem, sz_gmem)
-            # The partials leave through a shared-memory tile allocated after the
-            # pipeline's buffers are freed (so in their place). With out_rows they are
-            # written [S, M, N] (the tile stored transposed, from registers relaid out
-            # as WGMMA_TRANSPOSED), whose sum over S XLA fuses into the consumer; as
-            # [S, N, Mp] the sum is a reduce kernel of its own before a transpose.
-            pl.run_scoped(functools.partial(epilogue, acc),
-                          plgpu.SMEM((mp, tile_n) if out_rows else (tile_n, mp), jnp.float32))
-
-        pl.run_scoped(run, plgpu.ACC((tile_n, mp), jnp.float32))
+        if tiles == 1:
+            pl.run_scoped(one_tile, plgpu.ACC((tile_n, mp), jnp.float32))
+        else:
+            pl.run_scoped(many_tiles, plgpu.SMEM(tile_shape, jnp.float32))
 
     scratch = [plgpu.SMEM((tile_n, GROUP), jnp.bfloat16, transforms=a_tr),
                plgpu.SMEM((GROUP, mp), jnp.bfloat16)] if interpret else []
     f = plgpu.kernel(
         kernel, out_type=jax.ShapeDtypeStruct((splits, m, n) if out_rows else (splits, n, mp),
                                               jnp.float32),
-        grid=(n // tile_n, splits), grid_names=("n", "s"), scratch_types=scratch,
+        grid=(n // tile_n // tiles, splits), grid_names=("n", "s"), scratch_types=scratch,
         interpret=_interpret_params() if interpret else None)
     return f(q, x, scales)
 
 
-def _group(q_smem, x_smem, s_ref, z_ref, acc, a_smem, *, interpret):
-    """acc[TN, Mp] += ((q - z) * s)[TN, G] @ x^T[G, Mp] for one group: s and z the
-    group's [TN] bf16 scales and zero points in shared memory."""
+def _widen(q_smem, x_smem, s_ref, z_ref, a_smem, *, interpret):
+    """One group's ((q - z) * s)[TN, G] (registers; in interpret mode a shared-memory
+    copy) and x^T [G, Mp]: s and z the group's [TN] bf16 scales and zero points in
+    shared memory."""
     row = plgpu.Layout.WGMMA.reduce(1)
     if interpret:
         w, z, s = q_smem[...], z_ref[...], s_ref[...]
@@ -329,11 +377,8 @@ def _group(q_smem, x_smem, s_ref, z_ref, acc, a_smem, *, interpret):
         a_smem[0][...] = w
         a_smem[1][...] = x_smem[...].T
         plgpu.commit_smem()
-        w, xt = a_smem
-    # Waited for here: leaving it running while the next step widens its tile (wait(1),
-    # x's stage released a step later) gave wrong sums on an H100 (errors up to 1e7).
-    plgpu.wgmma(acc, w, xt)
-    plgpu.wgmma_wait(0)
+        return a_smem
+    return w, xt
 
 
 def _interpret_params():

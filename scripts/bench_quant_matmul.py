@@ -380,6 +380,7 @@ def main(argv=None):
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "bench_quant_matmul.json"), "w") as f:
             json.dump(rows, f, indent=1)
+    return rows
 
 
 if __name__ == "__main__":

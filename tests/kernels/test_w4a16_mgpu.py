@@ -89,6 +89,11 @@ def test_pack_scales_layout():
     (3, 128, 1024, dict(groups_per_step=2, k_splits=2)),
     (16, 256, 2048, dict(groups_per_step=4, k_splits=2)),
     (2, 128, 64 * G, {}),     # the defaults: 8 splits of 8 groups, 2 a stage, 2 stages
+    # a program streaming several tiles through one pipeline (the accumulator written
+    # out and zeroed at each tile's last step)
+    (3, 512, 1024, dict(tiles=2, k_splits=2)),
+    (16, 512, 2048, dict(tiles=4, k_splits=2, groups_per_step=2, stages=2)),
+    (5, 384, 1024, dict(tiles=3, k_splits=1, out_rows=False)),
 ], ids=str)
 def test_kernel_matches_twin_interpret(m, n, k, settings):
     args = _args(m, n, k, seed=m)
@@ -152,6 +157,10 @@ def test_bad_operands_are_refused():
         w4.w4a16_matmul(_x(4, 512), q, sz, k_splits=1, groups_per_step=3)
     with pytest.raises(ValueError, match="splits of a multiple of 4 groups"):
         w4.w4a16_matmul(_x(4, 512), q, sz, k_splits=2, groups_per_step=4)
+    with pytest.raises(ValueError, match="tiles 3: must divide N's 1 tiles"):
+        w4.w4a16_matmul(_x(4, 512), q, sz, tiles=3)
+    with pytest.raises(ValueError, match="tiles 0: must divide"):
+        w4.w4a16_matmul(_x(4, 512), q, sz, tiles=0, k_splits=1)
     with pytest.raises(ValueError, match="K's 2 groups: no default split of at least 4"):
         w4.w4a16_matmul(*_args(4, 128, 256, seed=0))
 
@@ -196,6 +205,8 @@ def test_default_splits():
     assert w4.default_k_splits(4096, 6 * G, 128, 16) == 1
     # the kernel's dynamic shared memory in Mosaic's dumps (jax 0.11.2)
     assert [w4.smem_bytes(128, 16, 4), w4.smem_bytes(128, 64, 2)] == [51232, 50192]
+    # several tiles a program: the output tile beside the pipeline's, not in its place
+    assert w4.smem_bytes(128, 16, 4, tiles=2) == 51232 + 128 * 16 * 4
     # 64 rows: 2 stages leave room for four programs an SM, 4 stages for two
     assert [228 * 1024 // (w4.smem_bytes(128, 64, st) + 1024) for st in (2, 4)] == [4, 2]
     assert w4.supported(4096, 128 * 6) and w4.default_k_splits(4096, 128 * 6, 128) == 1
@@ -224,9 +235,13 @@ def test_lowers_for_cuda(m, n, k):
 
 
 @pytest.mark.parametrize("settings", [dict(groups_per_step=2),
-                                      dict(groups_per_step=4, stages=2)], ids=str)
+                                      dict(groups_per_step=4, stages=2),
+                                      dict(k_splits=8, tiles=7),
+                                      dict(k_splits=8, tiles=7, groups_per_step=2, stages=3)],
+                         ids=str)
 def test_settings_lower_for_cuda(settings):
-    """Two or four groups a pipeline stage lower for the GPU too."""
+    """Two or four groups a pipeline stage, and several tiles a program, lower for the
+    GPU too."""
     args = (SD((16, 4096), jnp.bfloat16), SD((28672, 4096), jnp.int4),
             SD((64, 28672), jnp.bfloat16))
     text = lower_for_cuda(functools.partial(w4.w4a16_matmul, **settings), *args)

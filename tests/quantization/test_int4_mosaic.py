@@ -78,3 +78,43 @@ def test_layer_through_mosaic_matches_xla_dequant(monkeypatch, in_shape, out_sha
     assert got.shape == want.shape == (6,) + out_shape
     err = np.abs(np.asarray(got, np.float32) - np.asarray(want, np.float32)).max()
     assert err < 6e-3 * np.abs(np.asarray(want, np.float32)).max()
+
+
+def test_settings_named_in_the_environment(monkeypatch):
+    """JAXLLM_W4A16_SETTINGS names the Mosaic kernel's settings per [N, K] projection for
+    steps of up to 16 tokens (a device sweep's pick tried in the engine); other shapes
+    and larger steps keep the kernel's defaults, and an unknown setting is refused."""
+    monkeypatch.setenv(int4_kernels.SETTINGS_ENV,
+                       '{"28672x4096": {"k_splits": 8, "tiles": 7}, "4096x4096": {}}')
+    assert int4_kernels.mosaic_settings(28672, 4096, 16) == {"k_splits": 8, "tiles": 7}
+    assert int4_kernels.mosaic_settings(28672, 4096, 17) == {}
+    assert int4_kernels.mosaic_settings(4096, 14336, 1) == {}
+    monkeypatch.setenv(int4_kernels.SETTINGS_ENV, '{"4096x4096": {"split": 2}}')
+    with pytest.raises(ValueError, match=r"JAXLLM_W4A16_SETTINGS: unknown settings \['split'\] "
+                                         "for 4096x4096"):
+        int4_kernels.mosaic_settings(4096, 4096, 1)
+    monkeypatch.delenv(int4_kernels.SETTINGS_ENV)
+    assert int4_kernels.mosaic_settings(4096, 4096, 1) == {}
+
+
+def test_layer_takes_the_named_settings(monkeypatch):
+    """The layer passes the named settings to the kernel: two tiles a program give the
+    same numbers as the defaults (interpret mode), and a setting the shape cannot take
+    reaches the kernel's refusal."""
+    monkeypatch.setattr(int4_kernels, "is_hopper", lambda: True)
+    monkeypatch.setenv("JAXLLM_INT4_MOSAIC", "1")
+    rng = np.random.default_rng(6)
+    packed = jnp.asarray(rng.integers(0, 256, (256, 256)), jnp.uint8)
+    scale = jnp.asarray(rng.uniform(0.005, 0.02, (256, 4)), jnp.float32)
+    zero = jnp.asarray(rng.integers(0, 16, (256, 4)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((3, 512)), jnp.bfloat16)
+    args = (x, packed, scale, zero, G128, 1)
+    monkeypatch.delenv(int4_kernels.SETTINGS_ENV, raising=False)
+    want = int4_kernels.int4_kernel_matmul(*args, interpret=True)
+    monkeypatch.setenv(int4_kernels.SETTINGS_ENV, '{"256x512": {"k_splits": 1, "tiles": 2}}')
+    got = int4_kernels.int4_kernel_matmul(*args, interpret=True)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               atol=2e-2 * float(np.abs(np.asarray(want, np.float32)).max()))
+    monkeypatch.setenv(int4_kernels.SETTINGS_ENV, '{"256x512": {"tiles": 3}}')
+    with pytest.raises(ValueError, match="tiles 3: must divide N's 2 tiles"):
+        int4_kernels.int4_kernel_matmul(*args, interpret=True)

@@ -11,7 +11,9 @@ scheme's `packed` says so; the loader, the dummy weights and the layer ask
 beside the prefill's dequantization)."""
 from __future__ import annotations
 
+import json
 import math
+import os
 
 import numpy as np
 
@@ -77,6 +79,23 @@ def use_mosaic_int4(scheme: LinearScheme, n: int, k: int, x_dtype) -> bool:
     return w4a16_mgpu.supported(n, k)
 
 
+SETTINGS_ENV = "JAXLLM_W4A16_SETTINGS"
+SETTINGS = ("k_splits", "stages", "groups_per_step", "tiles")
+
+
+def mosaic_settings(n: int, k: int, t: int) -> dict:
+    """The Mosaic kernel's settings for an [N, K] projection at t <= 16 tokens that
+    $JAXLLM_W4A16_SETTINGS names (JSON {"NxK": {setting: value}}: a device sweep's
+    pick, tried in the engine before it becomes a default); {} (the kernel's defaults)
+    otherwise."""
+    named = json.loads(os.environ.get(SETTINGS_ENV) or "{}").get(f"{n}x{k}") or {}
+    bad = sorted(set(named) - set(SETTINGS))
+    if bad:
+        raise ValueError(f"{SETTINGS_ENV}: unknown settings {bad} for {n}x{k} "
+                         f"(of {', '.join(SETTINGS)})")
+    return named if t <= 16 else {}
+
+
 def int4_kernel_matmul(x, wq, scale, zero, scheme: LinearScheme, nk: int,
                        interpret: bool = False):
     """grouped_dequant_matmul's contract through the fused kernel: the projection's
@@ -98,7 +117,8 @@ def int4_kernel_matmul(x, wq, scale, zero, scheme: LinearScheme, nk: int,
     if mosaic:
         from pallas_kernels.w4a16_mgpu import as_int4, pack_scales, w4a16_matmul   # lazily
         scales = scale if zero is None else pack_scales(scale, zero)
-        y = w4a16_matmul(xf, as_int4(wq), scales, out_dtype=x.dtype, interpret=interpret)
+        y = w4a16_matmul(xf, as_int4(wq), scales, out_dtype=x.dtype, interpret=interpret,
+                         **mosaic_settings(n, xf.shape[1], t))
     else:
         y = quant_matmul_int4(xf, wq, scale, zero,
                               group=scheme.group, out_dtype=x.dtype, interpret=interpret)
