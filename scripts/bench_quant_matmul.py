@@ -50,6 +50,10 @@ subtract, no int-to-float conversion per value). Compiled for the H200 on a CPU
 into its prologue: a loop fusion writes the whole f16 weight first, so this kind is
 expected to lose.
 
+Kind mgpu_fp8: the weight-only fp8 matmul through the Mosaic GPU kernel
+(pallas_kernels/w8a16_mgpu.py, Hopper only; --pallas-settings pass its settings), on
+w8a16_fp8's f16 input; its error is against its twin.
+
 --copies C runs C matmuls of a row's kind in one program, each on its own input and
 weight, and reports the time per matmul: the device's time, where one call per matmul
 (the default, C = 1) times the host's dispatch (~45-60 us) at small M.
@@ -76,7 +80,7 @@ from jaxllm.layers.quantization.linear import (  # noqa: E402
     quantized_matmul, weight_only_matmul)
 from jaxllm.layers.quantization.schemes import ActScheme, LinearScheme  # noqa: E402
 from pallas_kernels import quant_matmul as qmm  # noqa: E402
-from pallas_kernels import w4a16_mgpu  # noqa: E402
+from pallas_kernels import w4a16_mgpu, w8a16_mgpu  # noqa: E402
 from pallas_kernels.common import to_f16  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
@@ -85,7 +89,8 @@ VARIANTS = {"default": {}, "no_triton": {"xla_gpu_enable_triton_gemm": False},
             "autotune0": {"xla_gpu_autotune_level": 0},
             "exhaustive": {"xla_gpu_exhaustive_tiling_search": True}}
 STORE = {"fp8": jnp.float8_e4m3fn, "int8": jnp.int8}
-PALLAS_KINDS = ("pallas_fp8", "pallas_int8", "xla_w4", "pallas_w4", "xla_u4", "mgpu_w4")
+PALLAS_KINDS = ("pallas_fp8", "pallas_int8", "xla_w4", "pallas_w4", "xla_u4", "mgpu_w4",
+                "mgpu_fp8")
 W4_GROUP = 128
 # Block-scaled fp8 (native FP8 checkpoints, 128x128 blocks; scales repeated per row).
 BLOCK = 128
@@ -193,6 +198,12 @@ def mgpu_w4(settings: dict):
     return f
 
 
+def mgpu_fp8(settings: dict):
+    def f(x, wq, ws):
+        return w8a16_mgpu.w8a16_matmul(x, wq, ws, out_dtype=jnp.bfloat16, **settings)
+    return f
+
+
 def xla_u4(x, wq, s, z):
     """W4A16 through XLA with the weight typed uint4 (XLA stores it two to a byte and
     its Triton GEMMs read such weights in place), group scales and zeros in bf16."""
@@ -230,6 +241,9 @@ def pallas_error(kind, args, settings) -> float:
     if kind == "pallas_block_fp8":
         got = qmm.quant_matmul(*args[:2], None, args[2], out_dtype=jnp.float32, **settings)
         want = qmm.ref_quant_matmul(*args[:2], None, args[2], out_dtype=jnp.float32)
+    elif kind == "mgpu_fp8":
+        got = w8a16_mgpu.w8a16_matmul(*args, out_dtype=jnp.float32, **settings)
+        want = w8a16_mgpu.ref_w8a16_matmul(*args, out_dtype=jnp.float32)
     elif kind in ("pallas_w4", "mgpu_w4"):
         got = (w4(True, settings) if kind == "pallas_w4" else mgpu_w4(settings))(*args)
         x, wq, s, z = args[:2] + args[-2:]
@@ -269,17 +283,18 @@ def case_args(kind, m, n, k, key, settings=None):
         fn = pallas_block_fp8(settings or {}) if kind == "pallas_block_fp8" else (
             block_fp8 if kind == "block_fp8" else block_fp8_bf16)
         return fn, (x, wq, ws)
-    dtype = kind.removeprefix("pallas_").removeprefix("w8a16_").removesuffix("_bf16")
-    dtype = dtype.removesuffix("_f16")
+    dtype = kind.removeprefix("pallas_").removeprefix("mgpu_").removeprefix("w8a16_")
+    dtype = dtype.removesuffix("_bf16").removesuffix("_f16")
     scale = jnp.max(jnp.abs(w), axis=1) / (448.0 if dtype == "fp8" else 127.0)
     wq = w / scale[:, None]
     wq = jnp.round(wq) if dtype == "int8" else wq
-    if kind == "w8a16_fp8" and on_gpu():
+    if kind in ("w8a16_fp8", "mgpu_fp8") and on_gpu():
         # The step's producer fusion (RMSNorm, SiLU x up, attention's combine) writes
         # this f16 input itself (scripts/aot_step.py): a bf16 x here would time a
         # conversion kernel the step does not run.
         x = to_f16(x)
     fn = (pallas_w8a8(dtype, settings or {}) if kind.startswith("pallas") else
+          mgpu_fp8(settings or {}) if kind == "mgpu_fp8" else
           w8a16_bf16 if kind == "w8a16_fp8_bf16" else
           w8a16_int8_f16 if kind == "w8a16_int8_f16" else
           w8a16 if kind.startswith("w8a16") else w8a8(dtype))

@@ -1,4 +1,5 @@
-"""The Mosaic GPU W4A16 kernel's SASS for sm_90a, on a machine without a GPU: its
+"""A Mosaic GPU matmul kernel's SASS (W4A16, or with ``--kernel w8a16`` the
+weight-only FP8 one) for sm_90a, on a machine without a GPU: its
 registers, spills and the opcode mix of its main loop (a pipeline step), for one
 shape and setting.
 
@@ -65,7 +66,8 @@ def main() -> int:
     ap.add_argument("--m", type=int, default=16)
     ap.add_argument("--n", type=int, default=28672)
     ap.add_argument("--k", type=int, default=4096)
-    ap.add_argument("--settings", default="{}", help="JSON of w4a16_matmul settings")
+    ap.add_argument("--settings", default="{}", help="JSON of the kernel's settings")
+    ap.add_argument("--kernel", choices=("w4a16", "w8a16"), default="w4a16")
     args = ap.parse_args()
     settings = json.loads(args.settings)
     with tempfile.TemporaryDirectory() as dump:
@@ -76,13 +78,20 @@ def main() -> int:
 
         from jaxllm.runner import aot
         from pallas_kernels import w4a16_mgpu as w4
+        from pallas_kernels import w8a16_mgpu as w8
         with open(os.path.join(ROOT, "configs", "gpu_targets", "h200.txtpb")) as f:
             mesh = aot.target_mesh(f.read())
         sd = jax.ShapeDtypeStruct
-        shapes = (sd((args.m, args.k), jnp.bfloat16), sd((args.n, args.k), jnp.int4),
-                  sd((2 * args.k // w4.GROUP, args.n), jnp.bfloat16))
+        if args.kernel == "w8a16":
+            kernel = w8.w8a16_matmul
+            shapes = (sd((args.m, args.k), jnp.float16), sd((args.n, args.k), w8.FP8),
+                      sd((args.n,), jnp.float32))
+        else:
+            kernel = w4.w4a16_matmul
+            shapes = (sd((args.m, args.k), jnp.bfloat16), sd((args.n, args.k), jnp.int4),
+                      sd((2 * args.k // w4.GROUP, args.n), jnp.bfloat16))
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-            fn = jax.jit(functools.partial(w4.w4a16_matmul, **settings))
+            fn = jax.jit(functools.partial(kernel, **settings))
             fn.lower(*aot.on_mesh(shapes, mesh)).compile()
         ptx = sorted(glob.glob(os.path.join(dump, "*.ptx")))
         if not ptx:

@@ -56,11 +56,12 @@ CANDIDATES = {
 }
 
 
-def pick(rows, ms, margin):
-    """{setting json: mean us over ms} for one projection's rows, and the pick."""
+def pick(rows, ms, margin, kind="mgpu_w4"):
+    """{setting json: mean us over ms} for one projection's rows of `kind`, and the
+    pick."""
     by = {}
     for r in rows:
-        if r["kind"] == "mgpu_w4":
+        if r["kind"] == kind:
             by.setdefault(json.dumps(r["settings"], sort_keys=True), {}).setdefault(
                 r["m"], []).append(r["us"])
     means = {st: statistics.mean(statistics.mean(v[m]) for m in ms)

@@ -102,7 +102,8 @@ def signature(tree) -> str:
 
 # JAXLLM_* switches read while tracing that no key part records otherwise (the
 # attention spec's and the quantization config's switches are in their reprs).
-TRACE_SWITCHES = ("JAXLLM_INT8_ROTATE_KERNEL", "JAXLLM_INT4_MOSAIC")
+TRACE_SWITCHES = ("JAXLLM_INT8_ROTATE_KERNEL", "JAXLLM_INT4_MOSAIC", "JAXLLM_W4A16_SETTINGS",
+                  "JAXLLM_FP8_MOSAIC", "JAXLLM_W8A16_SETTINGS")
 
 
 def environment(mesh) -> list[str]:

@@ -24,6 +24,7 @@ from flax import nnx
 
 from jaxllm.env_switch import env_switch
 from jaxllm.layers.quantization import int4_kernels
+from jaxllm.layers.quantization.fp8_kernels import fp8_kernel_matmul, use_mosaic_fp8
 from jaxllm.layers.quantization.int4_kernels import int4_kernel_matmul
 from jaxllm.layers.quantization.rotation import block_size, hadamard, rotate
 from jaxllm.layers.quantization.schemes import FP8_MAX, INT8_MAX, ActScheme, LinearScheme
@@ -363,7 +364,9 @@ class QuantLinear(nnx.Module):
             y = block_matmul(x, w, ws, dataclasses.replace(s, act=None) if weight_only else s,
                              self.nk)
         elif s.act is None or use_weight_only(s, x.shape[0]):
-            y = weight_only_matmul(x, w, ws, self.nk)
+            y = (fp8_kernel_matmul(x, w, ws, self.nk)
+                 if use_mosaic_fp8(x, w, ws, self.nk, _unsharded(tp)) else
+                 weight_only_matmul(x, w, ws, self.nk))
         elif not s.act.symmetric:
             xq, xs, xz = (rotate_quantize_asym(x, s) if kernel else
                           quantize_per_token_asym(x, self.nk))
