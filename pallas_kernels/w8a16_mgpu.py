@@ -85,12 +85,14 @@ def supported(n: int, k: int, tile_n: int = 128) -> bool:
 
 # One jit for every call site (as w4a16_mgpu.w4a16_matmul: identical calls compile once).
 @functools.partial(jax.jit, static_argnames=("out_dtype", "tile_n", "k_splits", "stages",
-                                             "cols", "out_rows", "interpret"))
+                                             "cols", "out_rows", "warpgroups", "interpret"))
 def w8a16_matmul(x, wq, w_scale, *, out_dtype=None, tile_n=128, k_splits=None, stages=None,
-                 cols=None, out_rows=None, interpret=False):
+                 cols=None, out_rows=None, warpgroups=1, interpret=False):
     """Same contract as ``ref_w8a16_matmul``; the rest are kernel settings (`cols`:
-    columns a pipeline step copies, a multiple of 128; `out_rows`: the partials' layout).
-    M <= 64."""
+    columns a pipeline step copies, a multiple of 128; `out_rows`: the partials' layout;
+    `warpgroups` 2: a warp-specialized program, one warp group issuing the copies and two
+    widening and multiplying half the tile's channels each, jax >= 0.11, no interpret
+    mode). M <= 64."""
     m, k = x.shape
     n = wq.shape[0]
     if jnp.dtype(wq.dtype) != FP8 or wq.shape != (n, k):
@@ -111,6 +113,14 @@ def w8a16_matmul(x, wq, w_scale, *, out_dtype=None, tile_n=128, k_splits=None, s
         raise ValueError(f"k_splits {splits}: K {k} must split into a whole number of "
                          f"steps of {cols} columns")
     out_rows = ROWS if out_rows is None else out_rows
+    if warpgroups == 2:
+        if interpret or not ROWS or tile_n % 128:
+            raise ValueError("warpgroups 2: jax >= 0.11 on a GPU, tile_n a multiple of 128")
+        out = _call_ws(common.to_f16(x), wq, m=m, mp=mp, n=n, tile_n=tile_n, splits=splits,
+                       steps=k // splits // cols, stages=stages, cols=cols)
+        return (out.sum(0) * jnp.asarray(w_scale, jnp.float32)).astype(out_dtype or x.dtype)
+    if warpgroups != 1:
+        raise ValueError(f"warpgroups {warpgroups}: 1 or 2")
     out = _call(common.to_f16(x), wq, m=m, mp=mp, n=n, tile_n=tile_n, splits=splits,
                 steps=k // splits // cols, stages=stages, cols=cols, out_rows=out_rows,
                 interpret=interpret)
@@ -181,6 +191,52 @@ def _call(x, wq, *, m, mp, n, tile_n, splits, steps, stages, cols, out_rows, int
                                               jnp.float32),
         grid=(n // tile_n, splits), grid_names=("n", "s"), scratch_types=scratch,
         interpret=_interpret_params() if interpret else None)
+    return f(wq, x)
+
+
+def _call_ws(x, wq, *, m, mp, n, tile_n, splits, steps, stages, cols):
+    """The program warp-specialized: a memory warp group runs the TMA pipeline, two
+    compute warp groups each own half of the TN channels (an m64 wgmma chain each) and
+    read the same x tile, so each SM has two widen-and-multiply chains a program where
+    _call has one waiting on its wgmma every sub-step. Partials [S, M, N]."""
+    w_tr = _transforms(cols * 8, 8, "weight")
+    x_tr = _transforms(cols * 16, 16, "x")
+    half = tile_n // 2
+
+    def kernel(w_gmem, x_gmem, out_gmem, out_smem):
+        ni, si, wg = lax.axis_index("n"), lax.axis_index("s"), lax.axis_index("wg")
+        first = si * steps
+        rows = pl.ds(wg * half, half)
+
+        def context(run):
+            zero = plgpu.layout_cast(jnp.zeros((half, mp), jnp.float32), plgpu.Layout.WGMMA)
+            acc = run(zero)
+            v = plgpu.layout_cast(acc, plgpu.Layout.WGMMA_TRANSPOSED)
+            plgpu.transpose_ref(out_smem.at[wg], (1, 0))[...] = v
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out_smem.at[wg, pl.ds(0, m)],
+                                    out_gmem.at[si, :, pl.ds(ni * tile_n + wg * half, half)])
+            plgpu.wait_smem_to_gmem(0)
+
+        def step(idx, w_smem, x_smem, acc):
+            for h in range(cols // B):
+                sub = pl.ds(h * B, B)
+                w, xt = _widen(w_smem.at[rows, sub], x_smem.at[:, sub], (), interpret=False)
+                acc = pl.run_state(lambda r: plgpu.wgmma(r, w, xt))(plgpu.ACC.init(acc))
+            return acc
+
+        pipeline = plgpu.emit_pipeline_warp_specialized(
+            step, grid=(steps,), memory_registers=40, max_concurrent_steps=stages,
+            wg_axis="wg", num_compute_wgs=2, compute_context=context,
+            in_specs=[plgpu.BlockSpec((tile_n, cols), lambda j: (ni, first + j),
+                                      transforms=w_tr),
+                      plgpu.BlockSpec((mp, cols), lambda j: (0, first + j), transforms=x_tr)])
+        pipeline(w_gmem, x_gmem)
+
+    f = plgpu.kernel(
+        kernel, out_type=jax.ShapeDtypeStruct((splits, m, n), jnp.float32),
+        grid=(n // tile_n, splits), grid_names=("n", "s"), num_threads=3, thread_name="wg",
+        scratch_types=[plgpu.SMEM((2, mp, half), jnp.float32)])
     return f(wq, x)
 
 

@@ -4,7 +4,8 @@
 # (JAXLLM_FP8_MOSAIC=1, the sweep's pick in JAXLLM_W8A16_SETTINGS) and without it
 # (XLA's Triton GEMMs, the default), greedy digests compared; bf16 after, if time is left.
 #
-#   BUDGET=570 bash scripts/w8a16_ab.sh        (SWEEP=0: the engine runs only)
+#   BUDGET=570 bash scripts/w8a16_ab.sh   (SWEEP=0: the engines only; SKIP_PEERS=1: the
+#   sweep without the peer table; RESERVE: seconds kept for the engines, 330)
 #
 # Each engine run is cut to what the call has left; logs and JSON go to $OUT.
 set -u
@@ -20,7 +21,7 @@ T0=$(date +%s)
 CC=/tmp/w8a16-ab-cc
 left() { echo $(( ${BUDGET:-570} - $(date +%s) + T0 )); }
 if [ "${SWEEP:-1}" = 1 ]; then
-  timeout $(( $(left) - 330 )) python3 scripts/w8a16_sweep.py ${PROJS:+--projs $PROJS} \
+  timeout $(( $(left) - ${RESERVE:-330} )) python3 scripts/w8a16_sweep.py ${PROJS:+--projs $PROJS} \
     ${SKIP_PEERS:+--skip-peers} > "$LOGS/sweep.log" 2>&1
   echo "sweep rc $? at $(( $(date +%s) - T0 )) s"
   grep -E "^ +(variant|default) " "$LOGS/sweep.log"

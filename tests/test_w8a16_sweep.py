@@ -17,7 +17,8 @@ def test_candidates_are_settings_the_kernel_takes():
         n, k = w8a16_sweep.bqm.SHAPES[proj]
         for st in cands:
             cols, tile_n = st.get("cols", w8.B), st.get("tile_n", 128)
-            assert k % (st["k_splits"] * cols) == 0 and n % tile_n == 0, (proj, st)
+            splits = st.get("k_splits") or w8.default_k_splits(n, k, tile_n)
+            assert k % (splits * cols) == 0 and n % tile_n == 0, (proj, st)
             assert w8.smem_bytes(tile_n, 16, st.get("stages", 4), cols) <= w8.common.SMEM_BYTES
         assert {} not in cands          # the defaults run first and last anyway
 

@@ -88,6 +88,11 @@ def test_bad_operands_are_refused():
         w8.w8a16_matmul(x, wq, s, cols=192)
     with pytest.raises(ValueError, match="shared memory"):
         w8.w8a16_matmul(x, wq, s, k_splits=1, stages=16, cols=512)
+    with pytest.raises(ValueError, match="warpgroups 3: 1 or 2"):
+        w8.w8a16_matmul(x, wq, s, warpgroups=3)
+    # the warp-specialized program has no interpret mode (its GPU runs check it)
+    with pytest.raises(ValueError, match="warpgroups 2: jax >= 0.11 on a GPU"):
+        w8.w8a16_matmul(x, wq, s, warpgroups=2, interpret=True)
 
 
 def test_default_splits():
@@ -119,12 +124,20 @@ def test_lowers_for_cuda(m, n, k):
 
 
 @pytest.mark.parametrize("settings", [dict(cols=256), dict(cols=512, stages=2),
-                                      dict(k_splits=4, stages=6), dict(tile_n=64)], ids=str)
+                                      dict(k_splits=4, stages=6), dict(tile_n=64),
+                                      dict(warpgroups=2), dict(warpgroups=2, k_splits=8)],
+                         ids=str)
 def test_settings_lower_for_cuda(settings):
-    text = lower_for_cuda(functools.partial(w8.w8a16_matmul, **settings),
-                          SD((16, 4096), jnp.float16), SD((28672, 4096), jnp.float8_e4m3fn),
-                          SD((28672,), jnp.float32))
-    assert "mosaic_gpu" in text
+    """Each setting lowers for the GPU; the warp-specialized program only on jax >= 0.11
+    (refused before, in one line)."""
+    args = (SD((16, 4096), jnp.float16), SD((28672, 4096), jnp.float8_e4m3fn),
+            SD((28672,), jnp.float32))
+    fn = functools.partial(w8.w8a16_matmul, **settings)
+    if settings.get("warpgroups") == 2 and not w8.ROWS:
+        with pytest.raises(ValueError, match="warpgroups 2: jax >= 0.11"):
+            lower_for_cuda(fn, *args)
+        return
+    assert "mosaic_gpu" in lower_for_cuda(fn, *args)
 
 
 def test_call_sites_share_one_trace(monkeypatch):

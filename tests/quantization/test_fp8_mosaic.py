@@ -47,11 +47,12 @@ def test_mosaic_only_where_it_applies(monkeypatch):
 
 def test_named_settings(monkeypatch):
     monkeypatch.setenv("JAXLLM_W8A16_SETTINGS", '{"4096x4096": {"k_splits": 4, "cols": 256}}')
-    assert fp8_kernels.kernel_settings(4096, 4096) == {"k_splits": 4, "cols": 256}
-    assert fp8_kernels.kernel_settings(6144, 4096) == {}
+    assert fp8_kernels.kernel_settings(4096, 4096, 16) == {"k_splits": 4, "cols": 256}
+    assert fp8_kernels.kernel_settings(4096, 4096, 32) == {}      # past the sweep's rows
+    assert fp8_kernels.kernel_settings(6144, 4096, 16) == {}
     monkeypatch.setenv("JAXLLM_W8A16_SETTINGS", '{"4096x4096": {"splits": 4}}')
     with pytest.raises(ValueError, match=r"JAXLLM_W8A16_SETTINGS: unknown settings \['splits'\]"):
-        fp8_kernels.kernel_settings(4096, 4096)
+        fp8_kernels.kernel_settings(4096, 4096, 16)
 
 
 @pytest.mark.parametrize("switch,tokens,kernel", [("1", 16, True), ("0", 16, False),

@@ -15,7 +15,7 @@ from jaxllm.layers.quantization.int4_kernels import is_hopper
 
 SWITCH = "JAXLLM_FP8_MOSAIC"
 SETTINGS_ENV = "JAXLLM_W8A16_SETTINGS"
-SETTINGS = ("k_splits", "stages", "cols", "tile_n")
+SETTINGS = ("k_splits", "stages", "cols", "tile_n", "warpgroups")
 
 
 def use_mosaic_fp8(x, wq, w_scale, nk: int, unsharded: bool) -> bool:
@@ -32,16 +32,17 @@ def use_mosaic_fp8(x, wq, w_scale, nk: int, unsharded: bool) -> bool:
     return w8a16_mgpu.supported(n, k) and is_hopper()
 
 
-def kernel_settings(n: int, k: int) -> dict:
-    """The kernel's settings for an [N, K] projection that $JAXLLM_W8A16_SETTINGS names
-    (JSON {"NxK": {setting: value}}: a device sweep's pick, tried in the engine before
-    it becomes a default); {} (the kernel's defaults) otherwise."""
+def kernel_settings(n: int, k: int, t: int) -> dict:
+    """The kernel's settings for an [N, K] projection at t <= 16 tokens (the rows the
+    sweep runs) that $JAXLLM_W8A16_SETTINGS names (JSON {"NxK": {setting: value}}: a
+    device sweep's pick, tried in the engine before it becomes a default); {} (the
+    kernel's defaults) otherwise."""
     named = json.loads(os.environ.get(SETTINGS_ENV) or "{}").get(f"{n}x{k}") or {}
     bad = sorted(set(named) - set(SETTINGS))
     if bad:
         raise ValueError(f"{SETTINGS_ENV}: unknown settings {bad} for {n}x{k} "
                          f"(of {', '.join(SETTINGS)})")
-    return named
+    return named if t <= 16 else {}
 
 
 def fp8_kernel_matmul(x, wq, w_scale, nk: int, interpret: bool = False):
@@ -55,5 +56,5 @@ def fp8_kernel_matmul(x, wq, w_scale, nk: int, interpret: bool = False):
     xf, w = x.reshape(t, -1), wq.reshape(n, -1)
     scale = w_scale.reshape(n) if w_scale.ndim else w_scale
     y = w8a16_matmul(xf, w, scale, out_dtype=jnp.float32, interpret=interpret,
-                     **kernel_settings(n, xf.shape[1]))
+                     **kernel_settings(n, xf.shape[1], t))
     return y.reshape(t, *out)
