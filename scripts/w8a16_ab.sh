@@ -22,7 +22,7 @@ CC=/tmp/w8a16-ab-cc
 left() { echo $(( ${BUDGET:-570} - $(date +%s) + T0 )); }
 if [ "${SWEEP:-1}" = 1 ]; then
   timeout $(( $(left) - ${RESERVE:-330} )) python3 scripts/w8a16_sweep.py ${PROJS:+--projs $PROJS} \
-    ${SKIP_PEERS:+--skip-peers} > "$LOGS/sweep.log" 2>&1
+    ${SKIP_PEERS:+--skip-peers} ${PEER_MS:+--peer-ms $PEER_MS} > "$LOGS/sweep.log" 2>&1
   echo "sweep rc $? at $(( $(date +%s) - T0 )) s"
   grep -E "^ +(variant|default) " "$LOGS/sweep.log"
   sed -n '/^    proj /,$p' "$LOGS/sweep.log"

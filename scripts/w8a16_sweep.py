@@ -55,6 +55,7 @@ def main(argv=None) -> int:
     ap.add_argument("--projs", default=",".join(CANDIDATES))
     ap.add_argument("--margin", type=float, default=0.97)
     ap.add_argument("--skip-peers", action="store_true")
+    ap.add_argument("--peer-ms", default="1,16,64", help="rows of the peer table")
     args = ap.parse_args(argv)
     projs = args.projs.split(",")
     if any(p not in CANDIDATES for p in projs):
@@ -62,7 +63,7 @@ def main(argv=None) -> int:
     common = ["--pallas", "--copies", "8", "--variants", "default", "--compile-budget", "240",
               "--projs", args.projs]
     peers = [] if args.skip_peers else bqm.main(
-        common + ["--kinds", "bf16,w8a16_fp8,mgpu_fp8", "--ms", "1,16,64"])
+        common + ["--kinds", "bf16,w8a16_fp8,mgpu_fp8", "--ms", args.peer_ms])
     chosen, table = {}, []
     for proj in projs:
         sweep = [{}] + CANDIDATES[proj] + [{}]
