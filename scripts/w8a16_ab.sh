@@ -5,7 +5,8 @@
 # (XLA's Triton GEMMs, the default), greedy digests compared; bf16 after, if time is left.
 #
 #   BUDGET=570 bash scripts/w8a16_ab.sh   (SWEEP=0: the engines only; SKIP_PEERS=1: the
-#   sweep without the peer table; RESERVE: seconds kept for the engines, 330)
+#   sweep without the peer table; RESERVE: seconds kept for the engines, 330;
+#   ENGINE_IF_AHEAD=1: the engines only where the sweep's layer beat XLA's)
 #
 # Each engine run is cut to what the call has left; logs and JSON go to $OUT.
 set -u
@@ -29,6 +30,10 @@ if [ "${SWEEP:-1}" = 1 ]; then
   grep -m5 FAILED "$LOGS/sweep.log"
 fi
 PICK=$(cat "$LOGS/w8a16_pick.json" 2>/dev/null || echo '{}')
+if [ "${ENGINE_IF_AHEAD:-0}" = 1 ] && [ "$(cat "$LOGS/w8a16_verdict.txt" 2>/dev/null)" != ahead ]; then
+  echo "engines skipped: the kernel's layer is not ahead of XLA's (ENGINE_IF_AHEAD=1)"
+  exit 0
+fi
 engine() {  # tag limit switch settings-json [bench_h200 args]
   local tag=$1 lim=$2 sw=$3 set=$4; shift 4
   local l; l=$(left)

@@ -82,9 +82,17 @@ def main(argv=None) -> int:
     for proj, st, us, ratio, xla in table:
         print(f"{proj:>8} {us:>8.1f} {ratio:>9.3f} {xla:>8.1f}  {st}")
     print("pick:", json.dumps(chosen))
+    # a layer's four projections, each at its best, against XLA's four (one row each)
+    best = {p: min(us for q, _, us, _, _ in table if q == p) for p in projs}
+    xla = {p: next(x for q, _, _, _, x in table if q == p) for p in projs}
+    ahead = sum(best.values()) < sum(xla.values())
+    print(f"layer at 16 rows: kernel {sum(best.values()):.1f} us, xla "
+          f"{sum(xla.values()):.1f} us: {'ahead' if ahead else 'behind'}")
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "w8a16_pick.json"), "w") as f:
             json.dump(chosen, f)
+        with open(os.path.join(os.environ["OUT"], "w8a16_verdict.txt"), "w") as f:
+            f.write("ahead" if ahead else "behind")
     return 0
 
 

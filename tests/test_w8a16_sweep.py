@@ -34,3 +34,22 @@ def test_pick_reads_the_kernels_rows():
 def test_bad_projection_refused():
     with pytest.raises(SystemExit):
         w8a16_sweep.main(["--projs", "gate"])
+
+
+def test_verdict_compares_the_layer_with_xla(monkeypatch, tmp_path):
+    """The sweep writes 'ahead' only where its projections' best settings sum under
+    XLA's four at 16 rows (the engines run on that with ENGINE_IF_AHEAD=1)."""
+    def fake(kernel_us):
+        def main(argv):
+            kinds = argv[argv.index("--kinds") + 1]
+            projs = argv[argv.index("--projs") + 1].split(",")
+            if "w8a16_fp8" in kinds:         # the peer table
+                return [{"kind": "w8a16_fp8", "proj": p, "m": 16, "us": 10.0} for p in projs]
+            return [{"kind": "mgpu_fp8", "settings": {}, "m": 16, "us": kernel_us, "proj": p}
+                    for p in projs]
+        return main
+    monkeypatch.setenv("OUT", str(tmp_path))
+    for us, verdict in ((9.0, "ahead"), (11.0, "behind")):
+        monkeypatch.setattr(w8a16_sweep.bqm, "main", fake(us))
+        assert w8a16_sweep.main(["--projs", "gate_up,down"]) == 0
+        assert (tmp_path / "w8a16_verdict.txt").read_text() == verdict
