@@ -15,34 +15,16 @@
 # temporary folder); the last lines printed are each run's table.
 set -u
 cd "$(dirname "$0")/.."
-LOGS=${OUT:-$(mktemp -d)}; mkdir -p "$LOGS"
-export OUT=$LOGS PYTHONUNBUFFERED=1
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-echo "GPU: $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
-T0=$(date +%s)
+BUDGET_DEFAULT=540
 CC=${COMPILE_CACHE:-/tmp/engine-lines-cc}
-run() {  # tag limit_s bench_h200 args...
-  local tag=$1 lim=$2; shift 2
-  local left=$(( ${BUDGET:-540} - $(date +%s) + T0 ))
-  if [ "$left" -lt 60 ]; then echo "$tag: skipped, ${left} s left"; return; fi
-  [ "$lim" -gt "$left" ] && lim=$left
-  echo "--- $tag (limit ${lim} s, at $(( $(date +%s) - T0 )) s)"
-  timeout "$lim" python3 scripts/bench_h200.py --compile-cache "$CC" --tag "_$tag" "$@" \
-    > "$LOGS/$tag.log" 2>&1
-  echo "rc $?"
-  sed -n '/^== /,$p' "$LOGS/$tag.log"
-  grep -m3 -E "Error|error" "$LOGS/$tag.log"
-}
+. scripts/device_lib.sh
 for r in ${RUNS:-bf16 fp8 awq int8}; do
   case $r in
-    bf16) run bf16 170 --workloads latency,decode-1,throughput --repeat 10 "$@" ;;
-    fp8)  run fp8 170 --workloads latency,decode-1,throughput --repeat 10 \
+    bf16) engine bf16 170 --workloads latency,decode-1,throughput --repeat 10 "$@" ;;
+    fp8)  engine fp8 170 --workloads latency,decode-1,throughput --repeat 10 \
             --quantization fp8 "$@" ;;
-    awq)  run awq 130 --workloads latency,decode-1 --repeat 5 --quantization awq "$@" ;;
-    int8) run int8 170 --workloads latency,decode-1,throughput --repeat 3 --quantization int8 "$@" ;;
+    awq)  engine awq 130 --workloads latency,decode-1 --repeat 5 --quantization awq "$@" ;;
+    int8) engine int8 170 --workloads latency,decode-1,throughput --repeat 3 --quantization int8 "$@" ;;
     *) echo "RUNS: $r is not one of bf16 fp8 awq int8"; exit 2 ;;
   esac
 done

@@ -11,16 +11,9 @@
 # Each engine run is cut to what the call has left; logs and JSON go to $OUT.
 set -u
 cd "$(dirname "$0")/.."
-LOGS=${OUT:-$(mktemp -d)}; mkdir -p "$LOGS"
-export OUT=$LOGS PYTHONUNBUFFERED=1
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-echo "GPU: $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
-T0=$(date +%s)
+BUDGET_DEFAULT=570
 CC=/tmp/w8a16-ab-cc
-left() { echo $(( ${BUDGET:-570} - $(date +%s) + T0 )); }
+. scripts/device_lib.sh
 if [ "${SWEEP:-1}" = 1 ]; then
   timeout $(( $(left) - ${RESERVE:-330} )) python3 scripts/w8a16_sweep.py ${PROJS:+--projs $PROJS} \
     ${SKIP_PEERS:+--skip-peers} ${PEER_MS:+--peer-ms $PEER_MS} > "$LOGS/sweep.log" 2>&1
@@ -34,22 +27,10 @@ if [ "${ENGINE_IF_AHEAD:-0}" = 1 ] && [ "$(cat "$LOGS/w8a16_verdict.txt" 2>/dev/
   echo "engines skipped: the kernel's layer is not ahead of XLA's (ENGINE_IF_AHEAD=1)"
   exit 0
 fi
-engine() {  # tag limit switch settings-json [bench_h200 args]
-  local tag=$1 lim=$2 sw=$3 set=$4; shift 4
-  local l; l=$(left)
-  if [ "$l" -lt 60 ]; then echo "$tag: skipped, $l s left"; return; fi
-  [ "$lim" -gt "$l" ] && lim=$l
-  echo "--- $tag (limit $lim s, at $(( $(date +%s) - T0 )) s)"
-  JAXLLM_FP8_MOSAIC=$sw JAXLLM_W8A16_SETTINGS=$set timeout "$lim" \
-    python3 scripts/bench_h200.py --compile-cache "$CC" --tag "_$tag" "$@" > "$LOGS/$tag.log" 2>&1
-  echo "rc $?"
-  sed -n '/^== /,$p' "$LOGS/$tag.log"
-  grep -m3 -E "Error|error" "$LOGS/$tag.log"
-}
 FP8="--workloads digest,latency,decode-1 --repeat ${REPEAT:-5} --quantization fp8"
-engine mosaic 150 1 "$PICK" $FP8
-engine xla 150 0 '{}' $FP8
+JAXLLM_FP8_MOSAIC=1 JAXLLM_W8A16_SETTINGS=$PICK engine mosaic 150 $FP8
+JAXLLM_FP8_MOSAIC=0 JAXLLM_W8A16_SETTINGS='{}' engine xla 150 $FP8
 a=$LOGS/bench_h200_xla.json b=$LOGS/bench_h200_mosaic.json
 [ -f "$a" ] && [ -f "$b" ] && python3 scripts/bench_h200.py --compare-digests "$a" "$b"
-engine bf16 130 0 '{}' --workloads latency,decode-1 --repeat 5
+JAXLLM_FP8_MOSAIC=0 JAXLLM_W8A16_SETTINGS='{}' engine bf16 130 --workloads latency,decode-1 --repeat 5
 echo "done at $(( $(date +%s) - T0 )) s"
