@@ -215,7 +215,8 @@ def w4a16_matmul(x, q, scales, *, out_dtype=None, tile_n=128, k_splits=None, sta
     return y.astype(out_dtype or x.dtype)
 
 
-def _transforms(minor_bits: int, elem_bits: int, what: str):
+def smem_transforms(minor_bits: int, elem_bits: int, what: str):
+    """A shared-memory tile's tiling and swizzle for rows of `minor_bits` bits."""
     swizzle = plgpu.find_swizzle(minor_bits, what)
     return (plgpu.TilingTransform((8, swizzle * 8 // elem_bits)),
             plgpu.SwizzleTransform(swizzle))
@@ -223,12 +224,12 @@ def _transforms(minor_bits: int, elem_bits: int, what: str):
 
 def _call(x, q, scales, *, n, m, mp, tile_n, splits, per, stages, out_rows, gps, tiles,
           interpret):
-    q_tr = _transforms(GROUP * 4, 4, "weight")
-    x_tr = _transforms(GROUP * 16, 16, "x")
+    q_tr = smem_transforms(GROUP * 4, 4, "weight")
+    x_tr = smem_transforms(GROUP * 16, 16, "x")
     # Interpret mode's wgmma reads A from shared memory only and takes no transposed
     # refs, and its loads take no layouts: there the widened tile and x^T are stored
     # first (the GPU keeps the tile in registers and reads x's tile transposed).
-    a_tr = _transforms(GROUP * 16, 16, "widened weight")
+    a_tr = smem_transforms(GROUP * 16, 16, "widened weight")
     steps = per // gps                                  # pipeline steps a tile
 
     def kernel(q_gmem, x_gmem, sz_gmem, out_gmem, *a_smem):
@@ -335,7 +336,7 @@ def _call(x, q, scales, *, n, m, mp, tile_n, splits, per, stages, out_rows, gps,
         kernel, out_type=jax.ShapeDtypeStruct((splits, m, n) if out_rows else (splits, n, mp),
                                               jnp.float32),
         grid=(n // tile_n // tiles, splits), grid_names=("n", "s"), scratch_types=scratch,
-        interpret=_interpret_params() if interpret else None)
+        interpret=interpret_params() if interpret else None)
     return f(q, x, scales)
 
 
@@ -381,7 +382,7 @@ def _widen(q_smem, x_smem, s_ref, z_ref, a_smem, *, interpret):
     return w, xt
 
 
-def _interpret_params():
+def interpret_params():
     # jax 0.10 exports no public name for the GPU interpreter's parameters
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
     return InterpretGPUParams(out_of_bounds_reads="uninitialized")

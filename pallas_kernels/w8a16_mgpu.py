@@ -35,10 +35,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import common
+from pallas_kernels.w4a16_mgpu import ROWS, interpret_params, smem_transforms
 
 B = 128              # columns a sub-step (one wgmma chain over a 128-byte weight row)
 MAX_M = 64
-ROWS = jax.__version_info__ >= (0, 11)   # see w4a16_mgpu.ROWS
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
 
 
@@ -112,34 +112,27 @@ def w8a16_matmul(x, wq, w_scale, *, out_dtype=None, tile_n=128, k_splits=None, s
     if not splits or k % (splits * cols):
         raise ValueError(f"k_splits {splits}: K {k} must split into a whole number of "
                          f"steps of {cols} columns")
-    out_rows = ROWS if out_rows is None else out_rows
-    if warpgroups == 2:
-        if interpret or not ROWS or tile_n % 128:
-            raise ValueError("warpgroups 2: jax >= 0.11 on a GPU, tile_n a multiple of 128")
-        out = _call_ws(common.to_f16(x), wq, m=m, mp=mp, n=n, tile_n=tile_n, splits=splits,
-                       steps=k // splits // cols, stages=stages, cols=cols)
-        return (out.sum(0) * jnp.asarray(w_scale, jnp.float32)).astype(out_dtype or x.dtype)
-    if warpgroups != 1:
+    if warpgroups not in (1, 2):
         raise ValueError(f"warpgroups {warpgroups}: 1 or 2")
-    out = _call(common.to_f16(x), wq, m=m, mp=mp, n=n, tile_n=tile_n, splits=splits,
-                steps=k // splits // cols, stages=stages, cols=cols, out_rows=out_rows,
-                interpret=interpret)
+    if warpgroups == 2 and (interpret or not ROWS or tile_n % 128):
+        raise ValueError("warpgroups 2: jax >= 0.11 on a GPU, tile_n a multiple of 128")
+    # the warp-specialized program writes its partials [S, M, N] only
+    out_rows = warpgroups == 2 or (ROWS if out_rows is None else out_rows)
+    shape = dict(m=m, mp=mp, n=n, tile_n=tile_n, splits=splits, steps=k // splits // cols,
+                 stages=stages, cols=cols)
+    x16 = common.to_f16(x)
+    out = (_call_ws(x16, wq, **shape) if warpgroups == 2 else
+           _call(x16, wq, **shape, out_rows=out_rows, interpret=interpret))
     y = out.sum(0) if out_rows else out.sum(0)[:, :m].T
     return (y * jnp.asarray(w_scale, jnp.float32)).astype(out_dtype or x.dtype)
 
 
-def _transforms(minor_bits: int, elem_bits: int, what: str):
-    swizzle = plgpu.find_swizzle(minor_bits, what)
-    return (plgpu.TilingTransform((8, swizzle * 8 // elem_bits)),
-            plgpu.SwizzleTransform(swizzle))
-
-
 def _call(x, wq, *, m, mp, n, tile_n, splits, steps, stages, cols, out_rows, interpret):
-    w_tr = _transforms(cols * 8, 8, "weight")
-    x_tr = _transforms(cols * 16, 16, "x")
+    w_tr = smem_transforms(cols * 8, 8, "weight")
+    x_tr = smem_transforms(cols * 16, 16, "x")
     # Interpret mode's wgmma reads A from shared memory only and takes no transposed
     # refs: there the widened tile and x^T are stored first (as in w4a16_mgpu).
-    a_tr = _transforms(B * 16, 16, "widened weight")
+    a_tr = smem_transforms(B * 16, 16, "widened weight")
 
     def kernel(w_gmem, x_gmem, out_gmem, *a_smem):
         ni, si = lax.axis_index("n"), lax.axis_index("s")
@@ -190,7 +183,7 @@ def _call(x, wq, *, m, mp, n, tile_n, splits, steps, stages, cols, out_rows, int
         kernel, out_type=jax.ShapeDtypeStruct((splits, m, n) if out_rows else (splits, n, mp),
                                               jnp.float32),
         grid=(n // tile_n, splits), grid_names=("n", "s"), scratch_types=scratch,
-        interpret=_interpret_params() if interpret else None)
+        interpret=interpret_params() if interpret else None)
     return f(wq, x)
 
 
@@ -199,8 +192,8 @@ def _call_ws(x, wq, *, m, mp, n, tile_n, splits, steps, stages, cols):
     compute warp groups each own half of the TN channels (an m64 wgmma chain each) and
     read the same x tile, so each SM has two widen-and-multiply chains a program where
     _call has one waiting on its wgmma every sub-step. Partials [S, M, N]."""
-    w_tr = _transforms(cols * 8, 8, "weight")
-    x_tr = _transforms(cols * 16, 16, "x")
+    w_tr = smem_transforms(cols * 8, 8, "weight")
+    x_tr = smem_transforms(cols * 16, 16, "x")
     half = tile_n // 2
 
     def kernel(w_gmem, x_gmem, out_gmem, out_smem):
@@ -253,8 +246,3 @@ def _widen(w_smem, x_smem, a_smem, *, interpret):
     w = plgpu.load(w_smem, (), layout=plgpu.Layout.WGMMA_UPCAST_2X)
     w = plgpu.layout_cast(w, plgpu.Layout.WGMMA).astype(jnp.float16)
     return w, plgpu.transpose_ref(x_smem, (1, 0))
-
-
-def _interpret_params():
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-    return InterpretGPUParams(out_of_bounds_reads="uninitialized")

@@ -6,12 +6,10 @@ tiles, at most w8a16_mgpu.MAX_M tokens. Off by default until an engine A/B on th
 says otherwise (docs/benchmarks.md)."""
 from __future__ import annotations
 
-import json
 import math
-import os
 
 from jaxllm.env_switch import env_switch
-from jaxllm.layers.quantization.int4_kernels import is_hopper
+from jaxllm.layers.quantization.int4_kernels import is_hopper, named_settings
 
 SWITCH = "JAXLLM_FP8_MOSAIC"
 SETTINGS_ENV = "JAXLLM_W8A16_SETTINGS"
@@ -33,16 +31,8 @@ def use_mosaic_fp8(x, wq, w_scale, nk: int, unsharded: bool) -> bool:
 
 
 def kernel_settings(n: int, k: int, t: int) -> dict:
-    """The kernel's settings for an [N, K] projection at t <= 16 tokens (the rows the
-    sweep runs) that $JAXLLM_W8A16_SETTINGS names (JSON {"NxK": {setting: value}}: a
-    device sweep's pick, tried in the engine before it becomes a default); {} (the
-    kernel's defaults) otherwise."""
-    named = json.loads(os.environ.get(SETTINGS_ENV) or "{}").get(f"{n}x{k}") or {}
-    bad = sorted(set(named) - set(SETTINGS))
-    if bad:
-        raise ValueError(f"{SETTINGS_ENV}: unknown settings {bad} for {n}x{k} "
-                         f"(of {', '.join(SETTINGS)})")
-    return named if t <= 16 else {}
+    """The kernel's settings that $JAXLLM_W8A16_SETTINGS names (named_settings)."""
+    return named_settings(SETTINGS_ENV, SETTINGS, n, k, t)
 
 
 def fp8_kernel_matmul(x, wq, w_scale, nk: int, interpret: bool = False):

@@ -83,17 +83,22 @@ SETTINGS_ENV = "JAXLLM_W4A16_SETTINGS"
 SETTINGS = ("k_splits", "stages", "groups_per_step", "tiles")
 
 
-def mosaic_settings(n: int, k: int, t: int) -> dict:
-    """The Mosaic kernel's settings for an [N, K] projection at t <= 16 tokens that
-    $JAXLLM_W4A16_SETTINGS names (JSON {"NxK": {setting: value}}: a device sweep's
-    pick, tried in the engine before it becomes a default); {} (the kernel's defaults)
-    otherwise."""
-    named = json.loads(os.environ.get(SETTINGS_ENV) or "{}").get(f"{n}x{k}") or {}
-    bad = sorted(set(named) - set(SETTINGS))
+def named_settings(env: str, names: tuple, n: int, k: int, t: int) -> dict:
+    """A Mosaic kernel's settings for an [N, K] projection at t <= 16 tokens (the rows
+    its sweep runs) that $env names (JSON {"NxK": {setting: value}}: a device sweep's
+    pick, tried in the engine before it becomes a default), each one of `names`; {}
+    (the kernel's defaults) otherwise."""
+    named = json.loads(os.environ.get(env) or "{}").get(f"{n}x{k}") or {}
+    bad = sorted(set(named) - set(names))
     if bad:
-        raise ValueError(f"{SETTINGS_ENV}: unknown settings {bad} for {n}x{k} "
-                         f"(of {', '.join(SETTINGS)})")
+        raise ValueError(f"{env}: unknown settings {bad} for {n}x{k} "
+                         f"(of {', '.join(names)})")
     return named if t <= 16 else {}
+
+
+def mosaic_settings(n: int, k: int, t: int) -> dict:
+    """The W4A16 kernel's settings that $JAXLLM_W4A16_SETTINGS names (named_settings)."""
+    return named_settings(SETTINGS_ENV, SETTINGS, n, k, t)
 
 
 def int4_kernel_matmul(x, wq, scale, zero, scheme: LinearScheme, nk: int,
