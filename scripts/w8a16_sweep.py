@@ -21,9 +21,9 @@ import bench_quant_matmul as bqm  # noqa: E402
 from w4a16_sweep import pick  # noqa: E402
 
 # Defaults (w8a16_mgpu.default_k_splits): qkv 8 splits, o 8, gate/up 2, down 14; 4
-# stages of 128 columns, one warp group a program. Programs (N / tile_n x splits) in
-# the comments. The first sweep on an H100 (docs/benchmarks.md) kept each projection's
-# best two; the warp-specialized programs (warpgroups 2) are new.
+# stages of 128 columns, one warp group a program. Candidates: each projection's best
+# of the H100 sweep in docs/benchmarks.md and the warp-specialized programs
+# (warpgroups 2). Programs (N / tile_n x splits) in the comments.
 CANDIDATES = {
     "gate_up": [  # 224 tiles, 32 blocks of 128 columns; default 448 programs
         {"k_splits": 1, "stages": 6},                      # 224

@@ -53,6 +53,11 @@ def test_named_settings(monkeypatch):
     monkeypatch.setenv("JAXLLM_W8A16_SETTINGS", '{"4096x4096": {"splits": 4}}')
     with pytest.raises(ValueError, match=r"JAXLLM_W8A16_SETTINGS: unknown settings \['splits'\]"):
         fp8_kernels.kernel_settings(4096, 4096, 16)
+    for value, why in (("{k_splits: 4}", "not JSON"), ('[1, 2]', "expected"),
+                       ('{"4096x4096": 4}', "expected")):
+        monkeypatch.setenv("JAXLLM_W8A16_SETTINGS", value)
+        with pytest.raises(ValueError, match=f"JAXLLM_W8A16_SETTINGS: .*{why}"):
+            fp8_kernels.kernel_settings(4096, 4096, 16)
 
 
 @pytest.mark.parametrize("switch,tokens,kernel", [("1", 16, True), ("0", 16, False),

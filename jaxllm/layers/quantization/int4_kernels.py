@@ -88,7 +88,13 @@ def named_settings(env: str, names: tuple, n: int, k: int, t: int) -> dict:
     its sweep runs) that $env names (JSON {"NxK": {setting: value}}: a device sweep's
     pick, tried in the engine before it becomes a default), each one of `names`; {}
     (the kernel's defaults) otherwise."""
-    named = json.loads(os.environ.get(env) or "{}").get(f"{n}x{k}") or {}
+    try:
+        table = json.loads(os.environ.get(env) or "{}")
+    except ValueError as e:
+        raise ValueError(f"{env}: not JSON ({e})") from None
+    named = (table.get(f"{n}x{k}") if isinstance(table, dict) else None) or {}
+    if not isinstance(table, dict) or not isinstance(named, dict):
+        raise ValueError(f'{env}: {{"NxK": {{setting: value}}}} expected')
     bad = sorted(set(named) - set(names))
     if bad:
         raise ValueError(f"{env}: unknown settings {bad} for {n}x{k} "
